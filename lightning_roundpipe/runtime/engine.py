@@ -1,0 +1,189 @@
+"""The pipeline engine: runs whole batches forward and backward through the round-robin schedule.
+
+It owns the host store, one executor and one worker thread per device, and the dispatch position,
+which carries over from batch to batch. The engine has no schedule of its own: it builds the
+schedule from the plan with :mod:`lightning_roundpipe.schedule` and hands each worker its list.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
+from lightning_roundpipe.runtime.flight import Flight
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.workers import Gate, WorkerPool
+from lightning_roundpipe.schedule import Schedule, StagePlan, add_transfers, round_robin, validate
+
+
+class PipelineEngine:
+    """Forward and backward of whole batches over ``devices``, gradients accumulated in the host store.
+
+    Args:
+        layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are
+            moved into the engine's host store and become views of it.
+        devices: one :class:`WorkerDevice` per worker.
+        plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`.
+        microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
+        num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
+        compute_dtype: autocast dtype for the workers' compute, ``None`` for none.
+        seed: base seed of the per-layer random streams (dropout); ``None`` draws it from torch's
+            global generator, so ``seed_everything`` makes runs repeatable.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        devices: Sequence[WorkerDevice],
+        plan: StagePlan | None = None,
+        microbatches_per_round: int | None = None,
+        num_rounds: int = 1,
+        compute_dtype: torch.dtype | None = None,
+        seed: int | None = None,
+    ) -> None:
+        layers = list(layers)
+        if not layers:
+            raise ValueError("the model has no layers to pipeline: pass a non-empty nn.Sequential")
+        if not devices:
+            raise ValueError("the engine needs at least one worker device")
+        self.plan = plan if plan is not None else StagePlan.uniform(len(layers))
+        self.plan.check_layers(len(layers))
+        self.num_workers = len(devices)
+        self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
+        if self.microbatches_per_round < self.num_workers:
+            raise ValueError(
+                f"num_microbatches={self.microbatches_per_round} per round is fewer than the {self.num_workers}"
+                f" workers: each worker would idle. Use num_microbatches >= {self.num_workers}."
+            )
+        if num_rounds < 1:
+            raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
+        self.num_rounds = num_rounds
+        self.layers = layers
+        self.store = HostStore(layers)
+        self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        self.dispatch_position = 0
+        """Worker the next batch's first slot goes to."""
+        self.calls = 0
+        """Batches run so far; part of every layer's random seed."""
+        self._executors = [
+            StageExecutor(device, self.store, layers, self.plan, self.base_seed, compute_dtype) for device in devices
+        ]
+        self._slot_grad_groups = {
+            stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
+            for stage in self.plan.stages()
+        }
+        self._schedules: dict[int, Schedule] = {}
+        self._grad_chain: dict[int, Gate] = {}
+        self._abort = threading.Event()
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._flight: Flight | None = None
+        self._closed = False
+        self._warned_empty = False
+        self._pool = WorkerPool(
+            [f"roundpipe-worker-{i}" for i in range(self.num_workers)],
+            [d.enter_thread for d in devices],
+            self._on_worker_error,
+        )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches_per_round * self.num_rounds
+
+    def schedule(self, first_worker: int) -> Schedule:
+        """The validated schedule of a batch starting at ``first_worker`` (there are N distinct ones)."""
+        if first_worker not in self._schedules:
+            s = add_transfers(
+                round_robin(self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker)
+            )
+            validate(s)
+            self._schedules[first_worker] = s
+        return self._schedules[first_worker]
+
+    def train_batch(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        reduction: Reduction = "mean",
+        grad_scale: float = 1.0,
+    ) -> Tensor:
+        """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
+        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch."""
+        if self._closed:
+            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
+        how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
+        mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
+        weights = microbatch_weights(mb_targets, mb_inputs, reduction)
+        if not any(weights) and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                "a batch has nothing to average the loss over (the reduction counted 0 items); its loss is 0"
+                " and it adds no gradient. Plain PyTorch would give NaN here.",
+                stacklevel=2,
+            )
+        schedule = self.schedule(self.dispatch_position)
+        flight = Flight(
+            self.calls, schedule, mb_inputs, mb_targets, weights, grad_scale, loss_fn,
+            self._abort, self._grad_chain, self._slot_grad_groups.__getitem__,
+        )  # fmt: skip
+        attributes = plain_attributes(self.layers)
+        self._flight = flight
+        tasks = [
+            self._pool.submit(w, partial(executor.run, schedule.workers[w], flight, attributes))
+            for w, executor in enumerate(self._executors)
+        ]
+        try:
+            for task in tasks:
+                task.done.wait()
+        except BaseException as interrupt:  # e.g. KeyboardInterrupt in the main thread: stop the workers
+            self._on_worker_error(interrupt)
+            for task in tasks:
+                task.done.wait(timeout=30.0)
+            self._recover()
+            raise
+        finally:
+            self._flight = None
+        if self._error is not None:
+            error = self._error
+            self._recover()
+            raise error
+        self.dispatch_position = schedule.next_first_worker
+        self.calls += 1
+        return flight.batch_loss()
+
+    def _on_worker_error(self, error: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+            self._abort.set()
+            if self._flight is not None:
+                self._flight.open_all_gates()
+
+    def _recover(self) -> None:
+        """After a failed batch, once every worker stopped: drop its partial gradients and be ready again.
+
+        Host weights are never written by workers, so they are intact.
+        """
+        self._error = None
+        self._grad_chain.clear()
+        self.store.clear_grads()
+        self._abort.clear()
+
+    def close(self) -> None:
+        """Stop the worker threads; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        stuck = self._pool.close()
+        if stuck:
+            warnings.warn(f"roundpipe worker threads did not stop in time: {stuck}", stacklevel=2)

@@ -1,0 +1,115 @@
+"""Worker threads: one daemon thread per device taking tasks from a queue, and abortable gates between them.
+
+A task that raises hands its exception to the pool's ``on_error`` callback at once (so the engine can
+open every gate and let the other workers stop) and keeps it for the caller, who re-raises it in the
+main thread with its original traceback. Nothing here knows about stages or plans.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+_STOP = object()
+
+
+class PipelineAborted(Exception):
+    """Raised inside workers waiting at a gate once the pipeline was aborted; never reaches users."""
+
+
+class Gate:
+    """A one-shot signal between threads that an abort can open early.
+
+    ``wait`` returns once the gate is set, or raises :class:`PipelineAborted` if it was opened by an
+    abort, so no thread waits forever on work that will never happen.
+    """
+
+    __slots__ = ("_abort", "_event")
+
+    def __init__(self, abort: threading.Event) -> None:
+        self._event = threading.Event()
+        self._abort = abort
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._abort.is_set():
+            raise PipelineAborted
+
+
+class Task:
+    """A callable submitted to one worker, with its completion event and error."""
+
+    __slots__ = ("done", "error", "fn")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class WorkerPool:
+    """Daemon threads, one per worker; ``thread_init[i]`` runs first on thread ``i``."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        thread_init: Sequence[Callable[[], None]],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._queues: list[queue.SimpleQueue[object]] = [queue.SimpleQueue() for _ in names]
+        self._on_error = on_error
+        self._threads = [
+            threading.Thread(target=self._loop, args=(q, init), name=name, daemon=True)
+            for q, init, name in zip(self._queues, thread_init, names)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    def submit(self, worker: int, fn: Callable[[], None]) -> Task:
+        if not self._threads[worker].is_alive():
+            raise RuntimeError(f"roundpipe worker {worker} is not running (the pool was closed or its thread died)")
+        task = Task(fn)
+        self._queues[worker].put(task)
+        return task
+
+    def _loop(self, tasks: queue.SimpleQueue[object], init: Callable[[], None]) -> None:
+        init_error: BaseException | None = None
+        try:
+            init()
+        except BaseException as e:  # reported with the first task, in the caller's thread
+            init_error = e
+        while True:
+            task = tasks.get()
+            if task is _STOP:
+                return
+            assert isinstance(task, Task)
+            try:
+                if init_error is not None:
+                    raise init_error
+                task.fn()
+            except PipelineAborted:
+                pass
+            except BaseException as e:
+                task.error = e
+                self._on_error(e)
+            finally:
+                task.done.set()
+
+    def close(self, timeout: float = 30.0) -> list[str]:
+        """Stop every thread after its queued tasks; returns the names of threads still alive after
+        ``timeout`` seconds (stuck in user code: they are daemons and cannot keep the process alive)."""
+        for q in self._queues:
+            q.put(_STOP)
+        for t in self._threads:
+            t.join(timeout)
+        return [t.name for t in self._threads if t.is_alive()]

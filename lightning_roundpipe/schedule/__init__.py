@@ -1,0 +1,19 @@
+"""Pure scheduling logic: stage plans, round-robin dispatch and schedule validation (no device work)."""
+
+from lightning_roundpipe.schedule.actions import Action, Op
+from lightning_roundpipe.schedule.dispatch import Schedule, add_transfers, round_robin
+from lightning_roundpipe.schedule.plan import Stage, StageKind, StagePlan
+from lightning_roundpipe.schedule.validate import ScheduleError, validate
+
+__all__ = [
+    "Action",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "Stage",
+    "StageKind",
+    "StagePlan",
+    "add_transfers",
+    "round_robin",
+    "validate",
+]

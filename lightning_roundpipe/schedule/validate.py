@@ -1,0 +1,76 @@
+"""Schedule validation: every micro-batch of every slot runs once, and the workers cannot deadlock."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from lightning_roundpipe.schedule.actions import Action, Op
+from lightning_roundpipe.schedule.dataflow import consumes, is_initial, produces
+from lightning_roundpipe.schedule.dispatch import Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as given; the message names the worker, the action and shows the grid."""
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless the schedule is complete and runs to the end.
+
+    Runs the schedule with every action taking one tick: each worker executes its list in order and
+    an action may start once every key it consumes was produced. If some worker is stuck, the
+    message marks its next action in the grid and lists what it waits for.
+    """
+    plan = schedule.plan
+    expected = Counter(
+        (rnd, stage.slot, mb)
+        for rnd in range(schedule.num_rounds)
+        for stage in plan.stages()
+        for mb in range(rnd * schedule.microbatches_per_round, (rnd + 1) * schedule.microbatches_per_round)
+    )
+    seen = Counter((a.round, a.slot, a.microbatch) for _, a in schedule.actions() if a.op.is_compute)
+    if seen != expected:
+        missing = sorted((expected - seen).elements())[:5]
+        extra = sorted((seen - expected).elements())[:5]
+        raise ScheduleError(
+            f"schedule does not run every micro-batch of every slot exactly once (missing (round, slot,"
+            f" micro-batch): {missing}, extra: {extra})\n{schedule.grid()}"
+        )
+    for w, actions in enumerate(schedule.workers):
+        loaded: set[tuple[int, int]] = set()
+        for i, action in enumerate(actions):
+            key = (action.round, action.slot)
+            if action.op is Op.LOAD:
+                loaded.add(key)
+            elif action.op is Op.UNLOAD:
+                if key not in loaded:
+                    _fail(schedule, w, i, "unloads weights it never loaded")
+                loaded.discard(key)
+            elif loaded and key not in loaded:
+                _fail(schedule, w, i, "computes a slot whose weights are not loaded on this worker")
+        if loaded:
+            raise ScheduleError(f"worker {w} never unloads {sorted(loaded)}\n{schedule.grid()}")
+
+    available = set()
+    position = [0] * schedule.num_workers
+    remaining = sum(len(a) for a in schedule.workers)
+    while remaining:
+        ready: list[tuple[int, Action]] = []
+        for w, actions in enumerate(schedule.workers):
+            if position[w] < len(actions):
+                action = actions[position[w]]
+                if all(is_initial(k) or k in available for k in consumes(action, plan)):
+                    ready.append((w, action))
+        if not ready:
+            w = next(w for w in range(schedule.num_workers) if position[w] < len(schedule.workers[w]))
+            action = schedule.workers[w][position[w]]
+            waits = [k for k in consumes(action, plan) if not is_initial(k) and k not in available]
+            _fail(schedule, w, position[w], f"waits forever for {waits}: no worker can make progress")
+        for w, action in ready:
+            available.update(produces(action, plan))
+            position[w] += 1
+            remaining -= 1
+
+
+def _fail(schedule: Schedule, worker: int, index: int, why: str) -> None:
+    action = schedule.workers[worker][index]
+    raise ScheduleError(f"worker {worker}, step {index}, action {action}: {why}\n{schedule.grid(mark=(worker, index))}")

@@ -1,0 +1,308 @@
+"""``RoundPipeStrategy``: Lightning glue around the pipeline engine.
+
+One process drives every device (world size 1, no launcher, no distributed sampler). The model and
+optimizer stay on the host; ``training_step`` runs the pipelined forward and backward through
+:func:`lightning_roundpipe.pipeline_loss`; ``backward`` only installs the host gradients where hooks,
+clipping and the optimizer look for them; the optimizer steps the host master weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_roundpipe import api
+from lightning_roundpipe._flavor import lightning_package, sibling
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.engine import PipelineEngine
+from lightning_roundpipe.runtime.microbatch import Reduction
+from lightning_roundpipe.schedule.plan import StagePlan
+
+pl = lightning_package(globals())
+_precision = sibling("precision", globals())
+_ParallelStrategy = pl.strategies.ParallelStrategy
+_TrainerFn = pl.trainer.states.TrainerFn
+
+
+class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
+    """Train models larger than GPU memory: model states on the host, stages dispatched round-robin.
+
+    Args:
+        num_microbatches: micro-batches per round (``M_R``), at least the number of devices; each
+            device runs all of them for its stage before the next stage goes to the next device.
+            ``None`` means devices + 1.
+        num_rounds: rounds per training batch; the batch is split into
+            ``num_microbatches * num_rounds`` micro-batches along dim 0.
+        plan: the stage plan, a :class:`~lightning_roundpipe.schedule.StagePlan` or its printed form
+            ``"3,3|1,2,2,2"`` (forward stage sizes | backward stage sizes, the first backward stage
+            being the fused last-forward/first-backward stage). ``None`` uses
+            ``StagePlan.uniform`` (3 layers per forward stage, 1 per backward stage).
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
+            strategy; normally filled in by the Trainer from ``accelerator=``, ``devices=`` and
+            ``precision=``.
+    """
+
+    strategy_name = "roundpipe"
+
+    def __init__(
+        self,
+        num_microbatches: int | None = None,
+        num_rounds: int = 1,
+        plan: StagePlan | str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if num_microbatches is not None and num_microbatches < 1:
+            raise ValueError(f"RoundPipeStrategy(num_microbatches={num_microbatches}) must be at least 1")
+        if num_rounds < 1:
+            raise ValueError(f"RoundPipeStrategy(num_rounds={num_rounds}) must be at least 1")
+        self.num_microbatches = num_microbatches
+        self.num_rounds = num_rounds
+        self.plan = StagePlan.parse(plan) if isinstance(plan, str) else plan
+        self.engine: PipelineEngine | None = None
+        self._pipelined: nn.Module | None = None
+        self._in_training_step = False
+        self._step_loss: Tensor | None = None
+        self._num_nodes = 1
+
+    # ------------------------------------------------------------------ one process, many devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The host: the model, optimizer and batches live there; workers bring data to devices."""
+        return torch.device("cpu")
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"`Trainer(strategy='roundpipe', num_nodes={num_nodes})` is not supported yet: roundpipe drives"
+                " the devices of one machine from one process. Use num_nodes=1."
+            )
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        return None
+
+    @property
+    def worker_devices(self) -> list[torch.device]:
+        return list(self.parallel_devices or [torch.device("cpu")])
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.worker_devices[0])
+
+    @override
+    def model_to_device(self) -> None:
+        """The model stays on the host: the engine moves weights to devices stage by stage."""
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Any:
+        return self._precision_plugin if self._precision_plugin is not None else _precision.RoundPipePrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = _precision.convert(plugin)
+
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if trainer.state.fn == _TrainerFn.FITTING:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
+                    " and let Lightning call the optimizer."
+                )
+            self._setup_engine()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _setup_engine(self) -> None:
+        sequential = find_pipelined_module(self.lightning_module)
+        devices = []
+        for index, device in enumerate(self.worker_devices):
+            if device.type != "cpu":
+                raise ValueError(
+                    f"roundpipe worker devices of type {device.type!r} are not supported yet; use `accelerator='cpu'`."
+                )
+            devices.append(WorkerDevice(device, index))
+        self.engine = PipelineEngine(
+            list(sequential.children()),
+            devices,
+            plan=self.plan,
+            microbatches_per_round=self.num_microbatches,
+            num_rounds=self.num_rounds,
+            compute_dtype=self.precision_plugin.compute_dtype,
+        )
+        self._pipelined = sequential
+        api.register_runner(sequential, self._run_pipeline)
+
+    @override
+    def teardown(self) -> None:
+        if self._pipelined is not None:
+            api.unregister_runner(self._pipelined)
+            self._pipelined = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the training step
+    def _run_pipeline(
+        self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction
+    ) -> Tensor:
+        assert self._pipelined is not None
+        if not self._in_training_step:
+            # validation/test/predict: a plain forward on the host weights
+            return loss_fn(self._pipelined(inputs), target)
+        if self._step_loss is not None:
+            raise RuntimeError(
+                "`pipeline_loss` was called twice in one `training_step`. Under roundpipe each call runs the"
+                " whole backward, so call it once per step and return its result."
+            )
+        assert self.engine is not None and self.lightning_module is not None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=1.0 / accumulate)
+        self._step_loss = loss
+        return loss
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._step_loss = None
+        self._in_training_step = True
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
+        if output is None and self._step_loss is not None:
+            raise RuntimeError(
+                "`training_step` returned None after `pipeline_loss` already ran the backward; its gradients"
+                " cannot be taken back. Skip the batch before calling `pipeline_loss`."
+            )
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._step_loss is None:
+            raise RuntimeError(
+                "Under strategy='roundpipe', `training_step` must compute its loss with"
+                " `lightning_roundpipe.pipeline_loss(self.model, inputs, target, loss_fn)` and return it:"
+                " a loss computed on the host model is never backpropagated."
+            )
+        assert self.lightning_module is not None and self.engine is not None
+        expected = self._step_loss / self.lightning_module.trainer.accumulate_grad_batches
+        if not torch.equal(closure_loss.detach().float().cpu(), expected):
+            raise RuntimeError(
+                f"`training_step` returned a loss ({closure_loss.item():.6g}) that is not the value"
+                f" `pipeline_loss` computed ({self._step_loss.item():.6g}). Under roundpipe only the pipeline's"
+                " gradients are applied, so return `pipeline_loss(...)` unchanged; put extra loss terms"
+                " inside `loss_fn`."
+            )
+        self._step_loss = None
+        self.engine.store.install_grads()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.engine is not None
+        self.engine.store.clear_grads()
+        return output
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="RoundPipe: host-resident model states, round-robin stages",
+            )
+
+
+def find_pipelined_module(module: nn.Module) -> nn.Sequential:
+    """The ``nn.Sequential`` that holds every trainable parameter of ``module`` (the outermost one)."""
+    trainable = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+    sequentials = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Sequential)]
+    for _, seq in sequentials:
+        inside = {id(p) for p in seq.parameters()}
+        if trainable.keys() <= inside and len(seq) > 0:
+            return seq
+    if not sequentials:
+        raise ValueError(
+            f"roundpipe pipelines an `nn.Sequential` whose children are the layers, but {type(module).__name__}"
+            " holds none. Keep the model as `self.model = nn.Sequential(...)` and return"
+            " `lightning_roundpipe.pipeline_loss(self.model, inputs, target, loss_fn)` from `training_step`."
+        )
+    best_name, best = max(sequentials, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    outside = [name for pid, name in trainable.items() if pid not in {id(p) for p in best.parameters()}]
+    raise ValueError(
+        f"roundpipe pipelines one `nn.Sequential` holding every trainable parameter, but these trainable"
+        f" parameters of {type(module).__name__} are outside `{best_name or '<root>'}`: {outside[:8]}"
+        f"{' ...' if len(outside) > 8 else ''}. Move them into a layer of the Sequential, or freeze them."
+    )

@@ -1,0 +1,211 @@
+"""``Trainer(strategy="roundpipe")`` trains exactly like plain Lightning, and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
+from torch import nn
+
+import lightning_roundpipe
+from lightning_roundpipe import RoundPipeStrategy, StagePlan
+
+CPU = {"accelerator": "cpu"}
+
+
+def test_registered_under_its_name_and_reimport_is_harmless():
+    import importlib
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "roundpipe" in StrategyRegistry
+    importlib.reload(lightning_roundpipe)
+    assert StrategyRegistry["roundpipe"]["strategy"].__name__ == "RoundPipeStrategy"
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "extra"),
+    [
+        ("roundpipe", 1, {}),
+        ("roundpipe", 2, {}),
+        (partial(RoundPipeStrategy, num_microbatches=4), 3, {}),
+        # forward and backward partitions differ; 2 rounds per batch
+        (partial(RoundPipeStrategy, num_microbatches=3, num_rounds=2, plan="3,2,2|2,1,3,3"), 3, {}),
+        (partial(RoundPipeStrategy, num_microbatches=3, plan=StagePlan.parse("1,1,1,1,1,1|3,3,3")), 2,
+         {"accumulate_grad_batches": 2}),
+        ("roundpipe", 2, {"gradient_clip_val": 0.05}),
+        ("roundpipe", 3, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value", "accumulate_grad_batches": 3}),
+    ],
+)  # fmt: skip
+def test_weights_equal_plain_training(strategy, devices, extra):
+    # 96 samples / batch 12 = 8 batches: at least 3 optimizer steps in every case
+    plain = fit(BoringPipeline, {**CPU, "devices": 1, **extra})
+    ours = fit(
+        BoringPipeline,
+        {**CPU, "devices": devices, "strategy": strategy() if callable(strategy) else strategy, **extra},
+    )
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    assert relative_error(flat_weights(ours), flat_weights(BoringPipeline())) > 1e-2, "nothing was trained"
+    # hooks saw the pipeline's gradients, at every optimizer step
+    assert len(ours.seen_grad_norms) == len(plain.seen_grad_norms) >= 3
+    assert ours.seen_grad_norms == pytest.approx(plain.seen_grad_norms, rel=1e-5)
+
+
+def test_fused_adamw_and_step_lr_scheduler():
+    factory = partial(BoringPipeline, fused=True, scheduler=True)
+    plain = fit(factory, {**CPU, "devices": 1, "max_epochs": 2})
+    ours = fit(factory, {**CPU, "devices": 2, "strategy": "roundpipe", "max_epochs": 2})
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+
+
+def test_one_process_one_rank_no_distributed_sampler():
+    seen = {}
+
+    class Probe(BoringPipeline):
+        def on_train_start(self):
+            seen["world_size"] = self.trainer.world_size
+            seen["sampler"] = type(self.trainer.train_dataloader.sampler).__name__
+            seen["workers"] = self.trainer.strategy.engine.num_workers
+            seen["device"] = self.model[0].weight.device.type
+
+    fit(Probe, {**CPU, "devices": 3, "strategy": "roundpipe"})
+    assert seen == {"world_size": 1, "sampler": "SequentialSampler", "workers": 3, "device": "cpu"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-worker")]
+
+
+def test_validation_runs_and_logs_under_roundpipe():
+    module = fit(BoringPipeline, {**CPU, "devices": 2, "strategy": "roundpipe", "limit_val_batches": 2},
+                 data=None)  # fmt: skip
+    trainer = module.trainer
+    assert "train_loss" in trainer.callback_metrics
+    metrics = L.Trainer(logger=False, enable_progress_bar=False, strategy="roundpipe", devices=2, **CPU).validate(
+        module, boring_data(), verbose=False
+    )
+    assert metrics and "val_loss" in metrics[0]
+
+
+def test_bf16_mixed_trains_close_to_fp32():
+    plain = fit(BoringPipeline, {**CPU, "devices": 1})
+    ours = fit(BoringPipeline, {**CPU, "devices": 2, "strategy": "roundpipe", "precision": "bf16-mixed"})
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 2e-2
+
+
+def test_unsupported_settings_say_what_to_change():
+    with pytest.raises(ValueError, match=r"num_nodes=2\)` is not supported yet.*num_nodes=1"):
+        L.Trainer(strategy="roundpipe", num_nodes=2, **CPU)
+    with pytest.raises(ValueError, match=r"precision='bf16-true'\)` is not supported.*'32-true' or 'bf16-mixed'"):
+        L.Trainer(strategy="roundpipe", precision="bf16-true", **CPU)
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        RoundPipeStrategy(num_microbatches=0)
+
+
+def test_model_without_a_sequential_is_refused():
+    class NoSequential(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(8, 4)
+
+    with pytest.raises(ValueError, match=r"holds none.*nn.Sequential"):
+        fit(NoSequential, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+def test_trainable_parameters_outside_the_sequential_are_named():
+    class Stray(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.temperature = nn.Parameter(torch.ones(()))
+
+    with pytest.raises(ValueError, match=r"outside `model`: \['temperature'\].*freeze them"):
+        fit(Stray, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+def test_loss_not_from_pipeline_loss_is_refused():
+    class Direct(BoringPipeline):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.model(x), y)
+
+    with pytest.raises(RuntimeError, match=r"must compute its loss with\s+`lightning_roundpipe.pipeline_loss"):
+        fit(Direct, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+def test_changed_loss_is_refused():
+    class Scaled(BoringPipeline):
+        def training_step(self, batch, batch_idx):
+            return 2 * super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="not the value `pipeline_loss` computed"):
+        fit(Scaled, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+def test_manual_optimization_is_refused():
+    class Manual(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="automatic optimization only"):
+        fit(Manual, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+_EXPLODE = {"after": -1, "calls": 0}
+
+
+class Exploding(nn.Module):
+    """Identity that raises once it ran ``_EXPLODE["after"]`` times with grad (replicas share the dict)."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and _EXPLODE["after"] >= 0:
+            _EXPLODE["calls"] += 1
+            if _EXPLODE["calls"] > _EXPLODE["after"]:
+                raise ArithmeticError("layer exploded")
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_worker_failure_stops_fit_and_a_new_fit_works():
+    class Failing(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.model.insert(3, Exploding())
+
+    _EXPLODE.update(after=5, calls=0)
+    try:
+        with pytest.raises(ArithmeticError, match="layer exploded"):
+            fit(Failing, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    finally:
+        _EXPLODE.update(after=-1, calls=0)
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-worker")]
+    plain = fit(Failing, {**CPU, "devices": 1})
+    ours = fit(Failing, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+
+
+def test_pytorch_lightning_twin():
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class PLModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+        def training_step(self, batch, batch_idx):
+            return lightning_roundpipe.pipeline_loss(self.model, *batch, F.mse_loss)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    results = []
+    for strategy in ("auto", "roundpipe"):
+        pl.seed_everything(0, verbose=False)
+        module = PLModule()
+        pl.Trainer(strategy=strategy, devices=2 if strategy == "roundpipe" else 1, max_epochs=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, **CPU).fit(module, boring_data())  # fmt: skip
+        results.append(flat_weights(module))
+    assert relative_error(results[1], results[0]) <= 1e-5
