@@ -334,3 +334,38 @@ def test_host_weights_are_views_of_the_store():
         assert (group.data[: model[0].weight.numel()] == 0.5).all()
     finally:
         engine.close()
+
+
+def test_engine_runs_each_slot_on_the_round_robin_worker_across_rounds_and_steps(monkeypatch):
+    """Which worker thread really ran each slot, over 3 batches of 2 rounds on 3 workers."""
+    import threading
+
+    from lightning_roundpipe.runtime import executor as executor_module
+
+    ran: list[tuple[int, int, int, str]] = []  # (batch, round, slot, thread)
+    original = executor_module.StageExecutor._run
+
+    def recording(self, action, flight):
+        if action.op.is_compute and action.microbatch % 3 == 0:
+            ran.append((flight.call, action.round, action.slot, threading.current_thread().name))
+        return original(self, action, flight)
+
+    monkeypatch.setattr(executor_module.StageExecutor, "_run", recording)
+    model = mlp()  # 9 layers; plan "4,4|1,4,4": 5 slots per round
+    engine = engine_for(model, 3, microbatches_per_round=3, num_rounds=2, plan=StagePlan.parse("4,4|1,4,4"))
+    try:
+        for s in range(3):
+            engine.train_batch(*batch(12, seed=s), F.mse_loss)
+    finally:
+        engine.close()
+    workers = {(b, r, s): int(name.rsplit("-", 1)[1]) for b, r, s, name in ran}
+    # slot i of round r of batch b: worker (g0_b + 5r + i) mod 3 with g0 = 0, 1, 2 (10 slots per batch)
+    expected = {
+        0: [[0, 1, 2, 0, 1], [2, 0, 1, 2, 0]],
+        1: [[1, 2, 0, 1, 2], [0, 1, 2, 0, 1]],
+        2: [[2, 0, 1, 2, 0], [1, 2, 0, 1, 2]],
+    }
+    for b, rounds in expected.items():
+        for r, slots in enumerate(rounds):
+            assert [workers[(b, r, s)] for s in range(5)] == slots, f"batch {b} round {r}"
+    assert engine.dispatch_position == 0  # 3 batches x 10 slots = 30 = 0 mod 3
