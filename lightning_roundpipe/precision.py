@@ -1,4 +1,10 @@
-"""Precision plugin for roundpipe: fp32 master weights on the host, the compute dtype on the workers.
+"""Precision plugin for roundpipe: fp32 master weights on the host, a compute dtype on the workers.
+
+- ``"32-true"``: fp32 everywhere.
+- ``"bf16-mixed"``: parameters are uploaded in bf16 and workers compute under bf16 autocast;
+  gradients come back in bf16 and are summed into fp32 on the host.
+- ``"16-mixed"``: the same in fp16, with dynamic loss scaling by torch's ``GradScaler`` on the host
+  gradients: a step with non-finite gradients is skipped and the scale lowered.
 
 Backward already happened inside the pipeline when ``training_step`` returns, so ``backward`` here
 only runs Lightning's hooks around a no-op. Workers enter autocast themselves (it is per thread);
@@ -8,7 +14,7 @@ the main thread's context covers whatever ``*_step`` computes on the host.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Literal
 
 import torch
@@ -21,28 +27,52 @@ pl = lightning_package(globals())
 _Precision = pl.plugins.precision.Precision
 _MixedPrecision = pl.plugins.precision.MixedPrecision
 
-_PrecisionName = Literal["32-true", "bf16-mixed"]
-SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed")
+_PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed"]
+SUPPORTED: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed")
+_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class RoundPipePrecision(_Precision):  # type: ignore[misc,valid-type]
-    """``"32-true"``: fp32 compute. ``"bf16-mixed"``: workers compute under bf16 autocast."""
+    """Host fp32 masters; ``compute_dtype`` on the workers; loss scaling for ``"16-mixed"``."""
 
-    def __init__(self, precision: _PrecisionName = "32-true") -> None:
+    def __init__(self, precision: _PrecisionName = "32-true", scaler: torch.amp.GradScaler | None = None) -> None:
         if precision not in SUPPORTED:
             raise ValueError(
                 f"RoundPipePrecision(precision={precision!r}) is not supported; choose one of {SUPPORTED}."
             )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"a GradScaler is only used with precision='16-mixed', not {precision!r}")
         self.precision = precision
+        self.scaler = scaler if scaler is not None or precision != "16-mixed" else torch.amp.GradScaler("cpu")
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones(()))  # creates the scale tensor, on the host where gradients live
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        """Autocast dtype for the workers; ``None`` means plain fp32."""
-        return torch.bfloat16 if self.precision == "bf16-mixed" else None
+        """Parameter and autocast dtype on the workers; ``None`` means fp32 without autocast."""
+        return _DTYPES[self.precision]
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor the pipeline multiplies the loss by before backward (1 unless ``"16-mixed"``)."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
 
     @override
     def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: the pipeline ran backward while ``training_step`` was running."""
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        self.scaler.unscale_(optimizer)  # clipping and hooks below see true gradients
+        self._after_closure(model, optimizer)
+        if closure_result is None:
+            return None
+        step_output = self.scaler.step(optimizer, **kwargs)  # skipped when a gradient is inf or nan
+        self.scaler.update()
+        return step_output
 
     @override
     @contextlib.contextmanager
@@ -50,8 +80,18 @@ class RoundPipePrecision(_Precision):  # type: ignore[misc,valid-type]
         if self.compute_dtype is None:
             yield
         else:
-            with torch.autocast("cpu", dtype=self.compute_dtype):
+            with torch.autocast("cpu", dtype=torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16):
                 yield
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+            self.scaler.scale(torch.ones(()))
 
 
 def convert(plugin: Any) -> RoundPipePrecision | None:
@@ -60,11 +100,11 @@ def convert(plugin: Any) -> RoundPipePrecision | None:
         return plugin
     if type(plugin) is _Precision:
         return RoundPipePrecision("32-true")
-    if isinstance(plugin, _MixedPrecision) and plugin.precision == "bf16-mixed":
-        return RoundPipePrecision("bf16-mixed")
+    if isinstance(plugin, _MixedPrecision) and plugin.precision in ("bf16-mixed", "16-mixed"):
+        return RoundPipePrecision(plugin.precision)
     name = getattr(plugin, "precision", type(plugin).__name__)
     raise ValueError(
         f"`Trainer(strategy='roundpipe', precision={name!r})` is not supported. roundpipe keeps fp32 master"
-        f" weights on the host and computes in a chosen dtype on the workers: use precision='32-true' or"
-        f" 'bf16-mixed'."
+        f" weights on the host and computes in a chosen dtype on the workers: use precision='32-true',"
+        f" 'bf16-mixed' or '16-mixed'."
     )

@@ -17,10 +17,11 @@ from typing_extensions import override
 
 from lightning_roundpipe import api
 from lightning_roundpipe._flavor import lightning_package, sibling
-from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
 from lightning_roundpipe.runtime.engine import PipelineEngine
 from lightning_roundpipe.runtime.microbatch import Reduction
 from lightning_roundpipe.schedule.plan import StagePlan
+from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
 pl = lightning_package(globals())
 _precision = sibling("precision", globals())
@@ -41,6 +42,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             ``"3,3|1,2,2,2"`` (forward stage sizes | backward stage sizes, the first backward stage
             being the fused last-forward/first-backward stage). ``None`` uses
             ``StagePlan.uniform`` (3 layers per forward stage, 1 per backward stage).
+        overlap: how weight uploads and gradient downloads overlap compute: ``"priority"`` (cut
+            into parts issued between activation copies; the default), ``"simple"`` (one piece,
+            prefetched a stage ahead) or ``"none"`` (no overlap; for comparison).
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
             strategy; normally filled in by the Trainer from ``accelerator=``, ``devices=`` and
             ``precision=``.
@@ -53,6 +57,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         num_microbatches: int | None = None,
         num_rounds: int = 1,
         plan: StagePlan | str | None = None,
+        overlap: Overlap = "priority",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -68,6 +73,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             raise ValueError(f"RoundPipeStrategy(num_microbatches={num_microbatches}) must be at least 1")
         if num_rounds < 1:
             raise ValueError(f"RoundPipeStrategy(num_rounds={num_rounds}) must be at least 1")
+        if overlap not in OVERLAPS:
+            raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
+        self.overlap = overlap
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
         self.plan = StagePlan.parse(plan) if isinstance(plan, str) else plan
@@ -184,20 +192,26 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     def _setup_engine(self) -> None:
         sequential = find_pipelined_module(self.lightning_module)
-        devices = []
+        devices: list[WorkerDevice] = []
         for index, device in enumerate(self.worker_devices):
-            if device.type != "cpu":
+            if device.type == "cuda":
+                devices.append(CudaWorkerDevice(device, index))
+            elif device.type == "cpu":
+                devices.append(WorkerDevice(device, index))
+            else:
                 raise ValueError(
-                    f"roundpipe worker devices of type {device.type!r} are not supported yet; use `accelerator='cpu'`."
+                    f"roundpipe workers run on CUDA devices or CPU threads, not {device.type!r}: use"
+                    " `accelerator='gpu'` or `accelerator='cpu'`."
                 )
-            devices.append(WorkerDevice(device, index))
         self.engine = PipelineEngine(
             list(sequential.children()),
             devices,
             plan=self.plan,
             microbatches_per_round=self.num_microbatches,
             num_rounds=self.num_rounds,
+            overlap=self.overlap,
             compute_dtype=self.precision_plugin.compute_dtype,
+            autocast_dtype=self.precision_plugin.compute_dtype,
         )
         self._pipelined = sequential
         api.register_runner(sequential, self._run_pipeline)
@@ -227,7 +241,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             )
         assert self.engine is not None and self.lightning_module is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=1.0 / accumulate)
+        grad_scale = self.precision_plugin.loss_scale / accumulate
+        loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=grad_scale)
         self._step_loss = loss
         return loss
 
@@ -272,6 +287,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.engine is not None
         self.engine.store.clear_grads()
+        self.engine.store.mark_dirty()  # the next batch uploads the updated weights
         return output
 
     @classmethod

@@ -1,5 +1,7 @@
 """Round-robin dispatch, transfer lowering and the schedule validator."""
 
+import itertools
+
 import pytest
 
 from lightning_roundpipe.schedule import (
@@ -9,6 +11,7 @@ from lightning_roundpipe.schedule import (
     ScheduleError,
     StagePlan,
     add_transfers,
+    pack_parts,
     round_robin,
     validate,
 )
@@ -54,23 +57,55 @@ def test_each_worker_runs_all_microbatches_of_its_slot_in_order():
     assert [a.microbatch for a in s.workers[1] if a.round == 1 and a.slot == 0] == [3, 4, 5]
 
 
-def test_transfers_bracket_every_slot():
-    s = add_transfers(round_robin(StagePlan.parse("1|1,1"), 2, 2))
-    assert [str(a) for a in s.workers[0]] == [
-        "0:W0",
-        "0:F0.0",
-        "0:F0.1",
-        "0:G0",
-        "0:W2",
-        "0:B2.0",
-        "0:B2.1",
-        "0:G2",
-    ]
+@pytest.mark.parametrize(
+    ("overlap", "expected"),
+    [
+        ("none", "0:W0 0:F0.0 0:F0.1 0:G0 0:W2 0:B2.0 0:B2.1 0:G2"),
+        ("simple", "0:W0 0:W2 0:F0.0 0:F0.1 0:G0 0:B2.0 0:B2.1 0:G2"),
+        # the next slot's upload is cut into one part per window of the current slot
+        ("priority", "0:W0 0:F0.0 0:W2~0/2 0:F0.1 0:W2~1/2 0:G0 0:B2.0 0:B2.1 0:G2"),
+    ],
+)
+def test_transfer_placement(overlap, expected):
+    s = add_transfers(round_robin(StagePlan.parse("1|1,1"), 2, 2), overlap)
+    assert " ".join(map(str, s.workers[0])) == expected
     validate(s)
 
 
+def test_priority_gradient_downloads_ride_in_the_next_slot_windows():
+    s = add_transfers(round_robin(StagePlan.parse("1|1,1"), 1, 3), "priority")
+    assert " ".join(map(str, s.workers[0])) == (
+        "0:W0 0:F0.0 0:W1~0/3 0:F0.1 0:W1~1/3 0:F0.2 0:W1~2/3 0:G0 "
+        "0:L1.0 0:W2~0/3 0:L1.1 0:W2~1/3 0:L1.2 0:W2~2/3 "
+        "0:B2.0 0:G1~0/3 0:B2.1 0:G1~1/3 0:B2.2 0:G1~2/3 0:G2"
+    )
+
+
+def test_pack_parts_balances_bytes_and_cuts_large_tensors():
+    # an LM-head-sized tensor and a few small ones into 4 parts
+    sizes = [(0, 1000, 2), (1, 100, 2), (2, 60, 4), (3, 10, 2)]
+    parts = pack_parts(sizes, 4)
+    total = sum(n * b for _, n, b in sizes)
+    loads = [sum((stop - start) * dict((k, b) for k, _, b in sizes)[k] for k, start, stop in p) for p in parts]
+    assert sum(loads) == total
+    assert max(loads) <= -(-total // 4) + 2 * 60 * 4  # within one small piece of an even share
+    covered = sorted((k, a, b) for p in parts for k, a, b in p)
+    for key, numel, _ in sizes:  # every element exactly once
+        ranges = [(a, b) for k, a, b in covered if k == key]
+        assert ranges[0][0] == 0 and ranges[-1][1] == numel
+        assert all(b1 == a2 for (_, b1), (a2, _) in itertools.pairwise(ranges))
+
+
+def test_validator_refuses_an_upload_after_compute_started():
+    s = add_transfers(round_robin(StagePlan.parse("1|1,1"), 1, 2), "none")
+    w = list(s.workers[0])
+    w[0], w[1] = w[1], w[0]  # F0.0 before W0
+    with pytest.raises(ScheduleError, match="uploads weights after the slot started computing"):
+        validate(Schedule(s.plan, 1, 2, 1, 0, (tuple(w),)))
+
+
 def test_action_printed_form_parses_back():
-    for text in ["0:F2.3", "12:B4.17", "1:W4", "3:G0", "0:L1.0"]:
+    for text in ["0:F2.3", "12:B4.17", "1:W4", "3:G0", "0:L1.0", "2:W5~3/4", "0:G1~0/2"]:
         assert str(Action.parse(text)) == text
     with pytest.raises(ValueError):
         Action(Op.LOAD, 0, 0, 1)
@@ -82,7 +117,8 @@ def test_action_printed_form_parses_back():
 def test_generated_schedules_validate(workers, mbs, rounds):
     for plan in ["3,3|1,2,2,2", "|7", "6|1,6", "1,1,1,1,1,1|1,1,1,1,1,1,1"]:
         for g0 in range(workers):
-            validate(add_transfers(round_robin(StagePlan.parse(plan), workers, mbs, rounds, g0)))
+            for overlap in ("none", "simple", "priority"):
+                validate(add_transfers(round_robin(StagePlan.parse(plan), workers, mbs, rounds, g0), overlap))
 
 
 def test_too_few_microbatches_per_round_is_refused():

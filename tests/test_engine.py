@@ -292,7 +292,7 @@ def test_bf16_autocast_on_workers_is_close_to_fp32():
     model = mlp()
     reference = copy.deepcopy(model)
     x, y = batch(16)
-    engine = engine_for(model, 2, microbatches_per_round=2, compute_dtype=torch.bfloat16)
+    engine = engine_for(model, 2, microbatches_per_round=2, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)
     try:
         engine.train_batch(x, y, F.mse_loss)
         got = engine_grads(engine)

@@ -1,9 +1,9 @@
-"""Worker devices: how one worker moves tensors between host and its device and runs code there.
+"""Worker devices: streams, events and copies between host and the device one worker drives.
 
-:class:`WorkerDevice` is the CPU stand-in used where there is no GPU: "uploads" are copies in host
-memory and everything runs on the worker's thread. It is the seam for the CUDA data plane, which
-replaces these methods with pinned buffers, copy streams and events; the engine only calls what is
-defined here.
+The executor is written once against this interface. :class:`WorkerDevice` is the CPU stand-in:
+streams and events are ``None`` and every copy is done when it returns, so the whole engine runs and
+is tested without a GPU. :class:`CudaWorkerDevice` gives each worker a compute stream and four copy
+streams (activations up, activations down, parameters up, gradients down) ordered with events.
 """
 
 from __future__ import annotations
@@ -15,58 +15,133 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 
 # All CPU workers share the process's one CPU generator: seeding and drawing must not interleave.
-_CPU_RNG_LOCK = threading.Lock()
+# Workers that share a CUDA device share its generator the same way.
+_RNG_LOCKS: dict[str, threading.Lock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(device: torch.device) -> threading.Lock:
+    key = str(device)
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(key, threading.Lock())
 
 
 class WorkerDevice:
-    """The device one worker computes on; this base class is the CPU stand-in."""
+    """The device one worker computes on; this base class is the CPU stand-in (no streams, no events)."""
 
-    def __init__(self, device: torch.device | str = "cpu", index: int = 0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", index: int = 0, pool: HostPool | None = None) -> None:
         self.device = torch.device(device)
         self.index = index
+        self.pool = pool if pool is not None else HostPool(pin=False)
+        self.compute: Any = None
+        self.act_up: Any = None
+        self.act_down: Any = None
+        self.param_up: Any = None
+        self.grad_down: Any = None
+        self.bytes_up = 0
+        self.bytes_down = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device}, worker={self.index})"
 
+    # ------------------------------------------------------------------ streams and events
     def enter_thread(self) -> None:
         """Called once on the worker's own thread before it runs anything (per-thread device state)."""
 
-    def upload(self, host: Tensor, requires_grad: bool) -> Tensor:
-        """A device copy of a flat host buffer; a leaf that collects gradients if ``requires_grad``."""
-        copy = host.detach().clone()
-        return copy.requires_grad_(requires_grad)
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` current for the ops issued inside."""
+        return contextlib.nullcontext()
 
-    def to_device(self, tree: Any) -> Any:
-        """Bring activations or gradients stored on the host to this device.
+    def record(self, stream: Any) -> Any:
+        """An event marking the work issued so far on ``stream`` (``None`` on CPU: already done)."""
+        return None
 
-        Always a copy, as a real upload is: in-place operations of a layer must never reach the host
-        copy that a recompute reads later.
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait, on the device, for ``event`` (which may come from another device)."""
+
+    def host_wait(self, event: Any) -> None:
+        """Block the calling thread until ``event`` completed."""
+
+    def keep_alive(self, tensor: Tensor, stream: Any) -> None:
+        """Tell the allocator ``tensor`` is used on ``stream``, so freeing it never races that use."""
+
+    def synchronize(self) -> None:
+        """Wait for everything issued on this device."""
+
+    # ------------------------------------------------------------------ memory and copies
+    def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
+        """A 1-D device buffer allocated for use on ``stream``."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def copy_up(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        """Host to device copy issued on ``stream``."""
+        dst.copy_(src)
+        self.bytes_up += src.numel() * src.element_size()
+
+    def copy_down(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        """Device to host copy issued on ``stream``."""
+        dst.copy_(src)
+        self.bytes_down += src.numel() * src.element_size()
+
+    def upload(self, parcel: Parcel) -> tuple[Any, Any]:
+        """Activations or gradients from the host onto this device, on the activations-up stream.
+
+        Waits for ``parcel.ready``; returns the device nest and the event after which it is there.
+        Always a copy: in-place operations of a layer must never reach the host copy a recompute reads.
         """
-        return tree_map(_copy, tree)
+        leaves, spec = tree_flatten(parcel.value)
+        with self.on(self.act_up):
+            self.wait(self.act_up, parcel.ready)
+            out = []
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    dst = self.empty(leaf.numel(), leaf.dtype, self.act_up).view(leaf.shape)
+                    self.copy_up(dst, leaf, self.act_up)
+                    self.keep_alive(dst, self.compute)
+                    out.append(dst)
+                else:
+                    out.append(leaf)
+            return tree_unflatten(out, spec), self.record(self.act_up)
 
-    def to_host(self, tree: Any) -> Any:
-        """Store activations or gradients on the host: a copy detached from any graph."""
-        return tree_map(_copy, tree)
+    def download(self, tree: Any, after: Any) -> Parcel:
+        """Activations or gradients from this device into host buffers, on the activations-down stream."""
+        leaves, spec = tree_flatten(tree)
+        with self.on(self.act_down):
+            self.wait(self.act_down, after)
+            out, buffers = [], []
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    leaf = leaf.detach()
+                    buffer = self.pool.take(leaf.numel(), leaf.dtype)
+                    self.copy_down(buffer.view(leaf.shape), leaf, self.act_down)
+                    self.keep_alive(leaf, self.act_down)
+                    buffers.append(buffer)
+                    out.append(buffer.view(leaf.shape))
+                else:
+                    out.append(leaf)
+            return Parcel(tree_unflatten(out, spec), self.record(self.act_down), buffers)
 
-    def accumulate(self, host_grad: Tensor, device_grad: Tensor) -> None:
-        """Add a stage's gradient into the host gradient buffer."""
-        host_grad.add_(device_grad)
-
+    # ------------------------------------------------------------------ compute context
     @contextlib.contextmanager
     def seeded(self, seed: int) -> Iterator[None]:
         """Run code with this device's generator seeded to ``seed``, restoring its state afterwards, so
         that a layer draws the same random numbers in its forward and in its recompute."""
-        with _CPU_RNG_LOCK:
-            generator = torch.default_generator
+        with _rng_lock(self.device):
+            generator = self._generator()
             state = generator.get_state()
             generator.manual_seed(seed)
             try:
                 yield
             finally:
                 generator.set_state(state)
+
+    def _generator(self) -> torch.Generator:
+        return torch.default_generator
 
     def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
         """Autocast is per thread: each worker enters it itself around its compute."""
@@ -75,8 +150,58 @@ class WorkerDevice:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
 
-def _copy(t: Any) -> Any:
-    return t.detach().clone() if isinstance(t, Tensor) else t
+class CudaWorkerDevice(WorkerDevice):
+    """One CUDA device: a compute stream and four copy streams, created on the worker's thread."""
+
+    def enter_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+        # Activation copies are on the critical path: give their streams the higher priority.
+        low, high = torch.cuda.Stream.priority_range()
+        self.compute = torch.cuda.Stream(self.device)
+        self.act_up = torch.cuda.Stream(self.device, priority=high)
+        self.act_down = torch.cuda.Stream(self.device, priority=high)
+        self.param_up = torch.cuda.Stream(self.device, priority=low)
+        self.grad_down = torch.cuda.Stream(self.device, priority=low)
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def host_wait(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def keep_alive(self, tensor: Tensor, stream: Any) -> None:
+        if tensor.device.type == "cuda":
+            tensor.record_stream(stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def copy_up(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        self.bytes_up += src.numel() * src.element_size()
+
+    def copy_down(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        self.bytes_down += src.numel() * src.element_size()
+
+    def _generator(self) -> torch.Generator:
+        return torch.cuda.default_generators[self.device.index or 0]
 
 
 def layer_seed(base_seed: int, call: int, microbatch: int, layer: int) -> int:

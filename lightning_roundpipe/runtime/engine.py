@@ -1,8 +1,9 @@
 """The pipeline engine: runs whole batches forward and backward through the round-robin schedule.
 
-It owns the host store, one executor and one worker thread per device, and the dispatch position,
-which carries over from batch to batch. The engine has no schedule of its own: it builds the
-schedule from the plan with :mod:`lightning_roundpipe.schedule` and hands each worker its list.
+It owns the host store, the host buffer pool, one executor, one worker thread and one gradient
+collector per device, and the dispatch position, which carries over from batch to batch. The engine
+has no schedule of its own: it builds the schedule from the plan with
+:mod:`lightning_roundpipe.schedule` and hands each worker its list.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_roundpipe.runtime.collector import GradCollector
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
 from lightning_roundpipe.runtime.flight import Flight
+from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.workers import Gate, WorkerPool
-from lightning_roundpipe.schedule import Schedule, StagePlan, add_transfers, round_robin, validate
+from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
 
 
 class PipelineEngine:
@@ -31,11 +34,14 @@ class PipelineEngine:
     Args:
         layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are
             moved into the engine's host store and become views of it.
-        devices: one :class:`WorkerDevice` per worker.
+        devices: one :class:`WorkerDevice` per worker (the engine gives them its host pool).
         plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`.
         microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
         num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
-        compute_dtype: autocast dtype for the workers' compute, ``None`` for none.
+        compute_dtype: dtype of the parameters uploaded to workers (``None``: the master's dtype).
+        autocast_dtype: autocast dtype for the workers' compute, ``None`` for none.
+        overlap: placement of weight and gradient transfers, see
+            :mod:`lightning_roundpipe.schedule.transfers`.
         seed: base seed of the per-layer random streams (dropout); ``None`` draws it from torch's
             global generator, so ``seed_everything`` makes runs repeatable.
     """
@@ -48,6 +54,8 @@ class PipelineEngine:
         microbatches_per_round: int | None = None,
         num_rounds: int = 1,
         compute_dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        overlap: Overlap = "priority",
         seed: int | None = None,
     ) -> None:
         layers = list(layers)
@@ -55,6 +63,8 @@ class PipelineEngine:
             raise ValueError("the model has no layers to pipeline: pass a non-empty nn.Sequential")
         if not devices:
             raise ValueError("the engine needs at least one worker device")
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap={overlap!r} is not one of {OVERLAPS}")
         self.plan = plan if plan is not None else StagePlan.uniform(len(layers))
         self.plan.check_layers(len(layers))
         self.num_workers = len(devices)
@@ -67,28 +77,49 @@ class PipelineEngine:
         if num_rounds < 1:
             raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
         self.num_rounds = num_rounds
+        self.overlap = overlap
         self.layers = layers
-        self.store = HostStore(layers)
+        self.devices = list(devices)
+        self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
+        self.store = HostStore(layers, compute_dtype)
+        for group in self.store.groups:
+            self.pool.register(group.compute)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
         self.calls = 0
         """Batches run so far; part of every layer's random seed."""
-        self._executors = [
-            StageExecutor(device, self.store, layers, self.plan, self.base_seed, compute_dtype) for device in devices
-        ]
-        self._slot_grad_groups = {
-            stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
-            for stage in self.plan.stages()
-        }
-        self._schedules: dict[int, Schedule] = {}
-        self._grad_chain: dict[int, Gate] = {}
         self._abort = threading.Event()
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._flight: Flight | None = None
         self._closed = False
         self._warned_empty = False
+        self._collectors = []
+        self._executors = []
+        for i, device in enumerate(devices):
+            device.pool = self.pool
+            collector = GradCollector(f"roundpipe-collector-{i}", device, self.store, self._on_worker_error)
+            self._collectors.append(collector)
+            self._executors.append(
+                StageExecutor(
+                    device,
+                    self.store,
+                    layers,
+                    self.plan,
+                    self.base_seed,
+                    autocast_dtype,
+                    collector,
+                    self._on_worker_error,
+                    overlap,
+                )
+            )
+        self._slot_grad_groups = {
+            stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
+            for stage in self.plan.stages()
+        }
+        self._schedules: dict[int, Schedule] = {}
+        self._grad_chain: dict[int, Gate] = {}
         self._pool = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(self.num_workers)],
             [d.enter_thread for d in devices],
@@ -102,9 +133,10 @@ class PipelineEngine:
     def schedule(self, first_worker: int) -> Schedule:
         """The validated schedule of a batch starting at ``first_worker`` (there are N distinct ones)."""
         if first_worker not in self._schedules:
-            s = add_transfers(
-                round_robin(self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker)
+            compute_only = round_robin(
+                self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker
             )
+            s = add_transfers(compute_only, self.overlap)
             validate(s)
             self._schedules[first_worker] = s
         return self._schedules[first_worker]
@@ -131,11 +163,14 @@ class PipelineEngine:
                 " and it adds no gradient. Plain PyTorch would give NaN here.",
                 stacklevel=2,
             )
+        self.store.sync_compute()
         schedule = self.schedule(self.dispatch_position)
         flight = Flight(
-            self.calls, schedule, mb_inputs, mb_targets, weights, grad_scale, loss_fn,
-            self._abort, self._grad_chain, self._slot_grad_groups.__getitem__,
+            self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
+            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__,
         )  # fmt: skip
+        for m, x in enumerate(mb_inputs):
+            flight.put(("act", 0, m), self.pool.stage(x))
         attributes = plain_attributes(self.layers)
         self._flight = flight
         tasks = [
@@ -161,6 +196,10 @@ class PipelineEngine:
         self.calls += 1
         return flight.batch_loss()
 
+    def transferred_bytes(self) -> tuple[int, int]:
+        """Bytes copied host-to-device and device-to-host by all workers so far."""
+        return sum(d.bytes_up for d in self.devices), sum(d.bytes_down for d in self.devices)
+
     def _on_worker_error(self, error: BaseException) -> None:
         with self._error_lock:
             if self._error is None:
@@ -180,10 +219,13 @@ class PipelineEngine:
         self._abort.clear()
 
     def close(self) -> None:
-        """Stop the worker threads; idempotent."""
+        """Stop the worker and collector threads and unpin host memory; idempotent."""
         if self._closed:
             return
         self._closed = True
         stuck = self._pool.close()
+        stuck += [f"roundpipe-collector-{i}" for i, c in enumerate(self._collectors) if not c.close()]
         if stuck:
-            warnings.warn(f"roundpipe worker threads did not stop in time: {stuck}", stacklevel=2)
+            warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
+        else:
+            self.pool.close()

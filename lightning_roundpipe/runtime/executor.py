@@ -2,13 +2,22 @@
 
 Each worker owns weight-less replicas of the layers (module skeletons whose tensors are on the meta
 device) and runs them with :func:`torch.func.functional_call` on the stage's device copy of the
-weights. Two workers never touch the same module object, and none touches the master tensors.
+weights: two workers never touch the same module object, and none touches the master tensors.
+
+Every action only *issues* device work. Inputs arrive as parcels (host tensors plus the event after
+which they are valid); each compute action uploads its inputs on the activations-up stream, computes
+on the compute stream, and downloads its outputs on the activations-down stream, each step waiting
+for the previous one's event. Weight uploads and gradient downloads run on their own streams in the
+parts the schedule placed between compute actions. The thread stays at most ``max_inflight``
+micro-batches ahead of its device, which bounds device memory.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,12 +25,17 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_roundpipe.runtime.collector import GradCollector, GradJob
 from lightning_roundpipe.runtime.device import WorkerDevice, layer_seed
 from lightning_roundpipe.runtime.flight import Flight
+from lightning_roundpipe.runtime.host_pool import Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.workers import PipelineAborted
+from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 from lightning_roundpipe.schedule.actions import Action, Op
 from lightning_roundpipe.schedule.plan import Stage, StagePlan
+from lightning_roundpipe.schedule.transfers import pack_parts
+
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def weightless_replica(layer: nn.Module) -> nn.Module:
@@ -34,9 +48,6 @@ def weightless_replica(layer: nn.Module) -> nn.Module:
     return copy.deepcopy(layer, memo)
 
 
-_PLAIN = (bool, int, float, str, type(None))
-
-
 def plain_attributes(layers: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
     """Every submodule's plain attributes (``training``, ``p`` of a dropout, flags a user flips mid-run).
 
@@ -44,6 +55,18 @@ def plain_attributes(layers: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
     their modules between steps reaches the workers. Tensors travel through the host store instead.
     """
     return [[{k: v for k, v in m.__dict__.items() if type(v) in _PLAIN} for m in layer.modules()] for layer in layers]
+
+
+@dataclass
+class _Loaded:
+    """A slot's weights on this worker, from upload to unload."""
+
+    flats: dict[int, Tensor]
+    ready: Any = None
+    """Event after the last upload part; compute waits for it once."""
+    waited: bool = False
+    last_compute: Any = None
+    staging: dict[int, Tensor] = field(default_factory=dict)
 
 
 class StageExecutor:
@@ -56,20 +79,34 @@ class StageExecutor:
         layers: Sequence[nn.Module],
         plan: StagePlan,
         base_seed: int,
-        compute_dtype: torch.dtype | None,
+        autocast_dtype: torch.dtype | None,
+        collector: GradCollector,
+        on_error: Callable[[BaseException], None],
+        overlap: str = "priority",
+        max_inflight: int = 2,
     ) -> None:
         self.device = device
         self.store = store
         self.plan = plan
         self.base_seed = base_seed
-        self.compute_dtype = compute_dtype
+        self.autocast_dtype = autocast_dtype
+        self.collector = collector
+        self.overlap = overlap
+        self.max_inflight = max_inflight
         self.replicas = [weightless_replica(layer) for layer in layers]
+        self._on_error = on_error
         self._stages = plan.stages()
         self._saved = set(plan.saved_boundaries())
-        self._loaded: dict[tuple[int, int], dict[int, Tensor]] = {}
+        self._groups = {s.slot: store.groups_of(s.layers) for s in self._stages}
+        self._trainable = {s: tuple(g for g in gs if store.groups[g].trainable) for s, gs in self._groups.items()}
+        self._pieces: dict[tuple[int, str, int], list[list[tuple[int, int, int]]]] = {}
+        self._loaded: dict[tuple[int, int], _Loaded] = {}
+        self._inflight: deque[Any] = deque()
+        self._collecting: list[Gate] = []
 
+    # ------------------------------------------------------------------ one batch
     def run(self, actions: Sequence[Action], flight: Flight, attributes: list[list[dict[str, Any]]]) -> None:
-        """Run one batch's actions in order; device copies never outlive the batch."""
+        """Run one batch's actions in order and wait until their effects landed on the host."""
         for replica, layer_attributes in zip(self.replicas, attributes):
             for module, values in zip(replica.modules(), layer_attributes):
                 module.__dict__.update(values)
@@ -85,101 +122,206 @@ class StageExecutor:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
                     raise
+            for gate in self._collecting:
+                gate.wait()
+        except PipelineAborted:
+            raise
+        except BaseException as e:
+            self._on_error(e)  # abort the others now, before waiting for the collector below
+            raise
         finally:
+            self.collector.drain()
+            self.device.synchronize()
             self._loaded.clear()
+            self._inflight.clear()
+            self._collecting.clear()
 
     def _run(self, action: Action, flight: Flight) -> None:
         stage = self._stages[action.slot]
-        key = (action.round, action.slot)
         if action.op is Op.LOAD:
-            self._loaded[key] = {
-                g: self.device.upload(self.store.groups[g].data, stage.has_gradients and self.store.groups[g].trainable)
-                for g in self.store.groups_of(stage.layers)
-            }
+            self._load(stage, action)
         elif action.op is Op.UNLOAD:
-            weights = self._loaded.pop(key)
-            if stage.has_gradients:
-                waits, done = flight.grad_order[key]
-                for gate in waits:
-                    gate.wait()
-                for g, tensor in weights.items():
-                    group = self.store.groups[g]
-                    if group.grad is not None and tensor.grad is not None:
-                        self.device.accumulate(group.grad, tensor.grad)
-                done.set()
+            self._unload(stage, action, flight)
         elif action.op is Op.FORWARD:
             self._forward(stage, action, flight)
         else:
             self._backward(stage, action, flight)
 
+    # ------------------------------------------------------------------ weights and gradients
+    def _parts(self, slot: int, what: str, parts: int) -> list[list[tuple[int, int, int]]]:
+        key = (slot, what, parts)
+        if key not in self._pieces:
+            groups = self._groups[slot] if what == "W" else self._trainable[slot]
+            sizes = [
+                (g, self.store.groups[g].compute.numel(), self.store.groups[g].compute.element_size()) for g in groups
+            ]
+            self._pieces[key] = pack_parts(sizes, parts)
+        return self._pieces[key]
+
+    def _load(self, stage: Stage, action: Action) -> None:
+        dev = self.device
+        key = (action.round, action.slot)
+        if action.is_first_part:
+            if self.overlap == "none":  # no prefetch: upload only once the device finished computing
+                dev.wait(dev.param_up, dev.record(dev.compute))
+            self._loaded[key] = _Loaded(
+                {
+                    g: dev.empty(self.store.groups[g].compute.numel(), self.store.groups[g].compute.dtype, dev.param_up)
+                    for g in self._groups[stage.slot]
+                }
+            )
+        loaded = self._loaded[key]
+        for g, start, stop in self._parts(stage.slot, "W", action.parts)[action.part]:
+            dev.copy_up(loaded.flats[g][start:stop], self.store.groups[g].compute[start:stop], dev.param_up)
+        if action.is_last_part:
+            loaded.ready = dev.record(dev.param_up)
+
+    def _weights_for_compute(self, stage: Stage, action: Action) -> dict[int, Tensor]:
+        """The slot's device weights, with the compute stream ordered after their upload."""
+        loaded = self._loaded[(action.round, action.slot)]
+        if not loaded.waited:
+            dev = self.device
+            dev.wait(dev.compute, loaded.ready)
+            for g, flat in loaded.flats.items():
+                dev.keep_alive(flat, dev.compute)
+                if stage.has_gradients and self.store.groups[g].trainable:
+                    flat.requires_grad_(True)
+            loaded.waited = True
+        return loaded.flats
+
+    def _unload(self, stage: Stage, action: Action, flight: Flight) -> None:
+        dev = self.device
+        key = (action.round, action.slot)
+        loaded = self._loaded[key]
+        if not stage.has_gradients:
+            del self._loaded[key]  # the allocator frees it after the compute stream is done with it
+            return
+        if action.is_first_part:
+            for g in self._trainable[stage.slot]:
+                grad = loaded.flats[g].grad
+                if grad is not None:
+                    loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
+            dev.wait(dev.grad_down, loaded.last_compute)
+        for g, start, stop in self._parts(stage.slot, "G", action.parts)[action.part]:
+            if g in loaded.staging:
+                src = loaded.flats[g].grad
+                assert src is not None
+                dev.copy_down(loaded.staging[g][start:stop], src[start:stop], dev.grad_down)
+        if action.is_last_part:
+            copied = dev.record(dev.grad_down)
+            for g in loaded.staging:
+                dev.keep_alive(loaded.flats[g].grad, dev.grad_down)  # type: ignore[arg-type]
+            waits, done = flight.grad_order[key]
+            self.collector.submit(GradJob(loaded.staging, copied, waits, done))
+            self._collecting.append(done)
+            if self.overlap == "none":  # no overlap: compute waits for the download
+                dev.wait(dev.compute, copied)
+            del self._loaded[key]
+
+    # ------------------------------------------------------------------ compute
     def _layer(self, index: int, weights: dict[int, Tensor], x: Any, flight: Flight, microbatch: int) -> Any:
         tensors = {
             ref.name: weights[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)
             for ref in self.store.layer_tensors[index]
         }
         seed = layer_seed(self.base_seed, flight.call, microbatch, index)
-        with self.device.seeded(seed), self.device.autocast(self.compute_dtype):
+        with self.device.seeded(seed), self.device.autocast(self.autocast_dtype):
             return functional_call(self.replicas[index], tensors, (x,))
 
+    def _take(self, flight: Flight, key: tuple[str, int, int]) -> tuple[Any, Any] | None:
+        """Upload a mailbox's value to this device; ``None`` if it holds no value (a zero gradient)."""
+        parcel = flight.take(key)
+        if parcel is None:
+            flight.release(key)
+            return None
+        value, ready = self.device.upload(parcel)
+        flight.release(key, ready)
+        return value, ready
+
+    def _finish(self, loaded_key: tuple[int, int], done: Any) -> None:
+        self._loaded[loaded_key].last_compute = done
+        self._inflight.append(done)
+        while len(self._inflight) > self.max_inflight:
+            self.device.host_wait(self._inflight.popleft())
+
     def _forward(self, stage: Stage, action: Action, flight: Flight) -> None:
-        m = action.microbatch
+        dev, m = self.device, action.microbatch
         assert m is not None
-        weights = self._loaded[(action.round, action.slot)]
-        x = self.device.to_device(flight.take(("act", stage.start, m)))
-        with torch.no_grad():
+        taken = self._take(flight, ("act", stage.start, m))
+        assert taken is not None
+        x, ready = taken
+        with dev.on(dev.compute), torch.no_grad():
+            weights = self._weights_for_compute(stage, action)
+            dev.wait(dev.compute, ready)
             for i in stage.layers:
                 if i in self._saved and i != stage.start:
-                    flight.put(("act", i, m), self.device.to_host(x))
+                    flight.put(("act", i, m), dev.download(x, dev.record(dev.compute)))
                 x = self._layer(i, weights, x, flight, m)
-        flight.put(("act", stage.stop, m), self.device.to_host(x))
+            done = dev.record(dev.compute)
+        flight.put(("act", stage.stop, m), dev.download(x, done))
+        self._finish((action.round, action.slot), done)
 
     def _backward(self, stage: Stage, action: Action, flight: Flight) -> None:
         """Fused stage (forward, loss, backward) or backward stage (recompute, backward)."""
-        m = action.microbatch
+        dev, m = self.device, action.microbatch
         assert m is not None
-        weights = self._loaded[(action.round, action.slot)]
         fused = action.op is Op.FUSED
-        x = flight.take(("act", stage.start, m))
-        out_grads = None if fused else flight.take(("grad", stage.stop, m))
+        taken = self._take(flight, ("act", stage.start, m))
+        assert taken is not None
+        x, x_ready = taken
+        grads_in = None if fused else self._take(flight, ("grad", stage.stop, m))
+        target = None
+        if fused:
+            target = dev.upload(flight.targets[m])
+            flight.pool.release(flight.targets[m], [target[1]])
         if fused and flight.weights[m] == 0.0:
-            flight.losses[m] = torch.zeros((), dtype=torch.float32)
-        if (fused and flight.weights[m] == 0.0) or (not fused and out_grads is None):
+            flight.losses[m] = Parcel(torch.zeros((), dtype=torch.float32))
+        if (fused and flight.weights[m] == 0.0) or (not fused and grads_in is None):
             # Nothing of this micro-batch reaches the loss: its gradients are zero.
             if stage.start > 0:
                 flight.put(("grad", stage.start, m), None)
             return
-        leaves, spec = tree_flatten(self.device.to_device(x))
-        if stage.start > 0:
-            leaves = [t.requires_grad_() if _differentiable(t) else t for t in leaves]
-        with torch.enable_grad():
-            # Layers get non-leaf copies, so an in-place first operation (ReLU(inplace=True)) is legal.
-            x = tree_unflatten([t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves], spec)
-            for i in stage.layers:
-                x = self._layer(i, weights, x, flight, m)
-            if fused:
-                with self.device.autocast(self.compute_dtype):
-                    loss = flight.loss_fn(x, self.device.to_device(flight.targets[m]))
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-                flight.losses[m] = loss.detach().float().cpu() * flight.weights[m]
-                roots, root_grads = [loss * (flight.weights[m] * flight.grad_scale)], None
-            else:
-                out_leaves, _ = tree_flatten(x)
-                pairs = [
-                    (o, self.device.to_device(g))
-                    for o, g in zip(out_leaves, out_grads)  # type: ignore[arg-type]
-                    if g is not None and isinstance(o, Tensor) and o.requires_grad
-                ]
-                roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-        if roots:
-            torch.autograd.backward(roots, root_grads)
+        with dev.on(dev.compute):
+            weights = self._weights_for_compute(stage, action)
+            for event in (x_ready, grads_in and grads_in[1], target and target[1]):
+                dev.wait(dev.compute, event)
+            leaves, spec = tree_flatten(x)
+            if stage.start > 0:
+                leaves = [t.requires_grad_() if _differentiable(t) else t for t in leaves]
+            with torch.enable_grad():
+                # Layers get non-leaf copies, so an in-place first operation (ReLU(inplace=True)) is legal.
+                x = tree_unflatten(
+                    [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves], spec
+                )
+                for i in stage.layers:
+                    x = self._layer(i, weights, x, flight, m)
+                if fused:
+                    assert target is not None
+                    with dev.autocast(self.autocast_dtype):
+                        loss = flight.loss_fn(x, target[0])
+                    if not isinstance(loss, Tensor) or loss.dim() != 0:
+                        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+                    weighted = loss.detach().float() * flight.weights[m]
+                    roots, root_grads = [loss * (flight.weights[m] * flight.grad_scale)], None
+                else:
+                    assert grads_in is not None
+                    pairs = [
+                        (o, g)
+                        for o, g in zip(tree_flatten(x)[0], grads_in[0])
+                        if g is not None and isinstance(o, Tensor) and o.requires_grad
+                    ]
+                    roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            done = dev.record(dev.compute)
+        if fused:
+            flight.losses[m] = dev.download(weighted, done)
         if stage.start > 0:
             grads = [t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in leaves]
-            flight.put(
-                ("grad", stage.start, m),
-                self.device.to_host(grads) if any(g is not None for g in grads) else None,
-            )
+            has_any = any(g is not None for g in grads)
+            flight.put(("grad", stage.start, m), dev.download(grads, done) if has_any else None)
+        self._finish((action.round, action.slot), done)
 
 
 def _differentiable(t: Any) -> bool:

@@ -1,10 +1,13 @@
 """Host store: the model's master weights and gradients, packed into flat host buffers per layer.
 
-Every parameter and buffer of a layer moves into one contiguous buffer per (dtype, trainable) group,
-and the module's own tensors become views into it. The LightningModule and its optimizer keep
-working on the very same ``nn.Parameter`` objects, while a stage's weights travel as a few large
-copies. Trainable groups get a gradient buffer of the same layout; frozen parameters and module
-buffers get none.
+Every parameter and buffer of a layer moves into one contiguous buffer per (dtype, kind) group, and
+the module's own tensors become views into it. The LightningModule and its optimizer keep working on
+the very same ``nn.Parameter`` objects, while a stage's weights travel as a few large copies.
+
+Each group has three buffers of one layout: ``data`` (the master: what the optimizer updates),
+``compute`` (what is uploaded to workers: the master cast to the compute dtype, or the master itself
+when no cast is needed) and, for trainable groups, ``grad`` (the gradients the optimizer reads, in
+the master dtype). Module buffers keep their dtype: only parameters are cast for compute.
 """
 
 from __future__ import annotations
@@ -32,27 +35,41 @@ class TensorRef:
 
 @dataclass
 class FlatGroup:
-    """One contiguous host buffer holding tensors of one layer that share dtype and trainability."""
+    """Tensors of one layer that share dtype and kind (``"trainable"``, ``"frozen"`` or ``"buffer"``)."""
 
     index: int
     layer: int
-    trainable: bool
+    kind: str
     data: Tensor
+    compute: Tensor
     grad: Tensor | None
     params: list[tuple[nn.Parameter, int]] = field(default_factory=list)
     """Trainable parameters in this group and their offsets, to point ``p.grad`` into ``grad``."""
+    members: list[Tensor] = field(default_factory=list)
+    """Every module tensor living in this group (their version counters tell of in-place edits)."""
+    synced_version: int = -1
+    """Sum of the members' version counters when ``compute`` was last refreshed."""
+    dirty: bool = False
+
+    def version(self) -> int:
+        return sum(t._version for t in self.members)
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind == "trainable"
 
 
 class HostStore:
     """Master weights and gradients of a layer sequence, in flat host buffers."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None) -> None:
         self.num_layers = len(layers)
+        self.compute_dtype = compute_dtype
         self.groups: list[FlatGroup] = []
         self.layer_tensors: list[tuple[TensorRef, ...]] = []
         self._layer_groups: list[tuple[int, ...]] = []
         self.parameters: list[nn.Parameter] = []
-        pending: dict[tuple[int, torch.dtype, bool], list[Tensor]] = {}
+        pending: dict[tuple[int, torch.dtype, str], list[Tensor]] = {}
         named: list[list[tuple[str, Tensor]]] = []
         seen: set[int] = set()
         for i, layer in enumerate(layers):
@@ -64,11 +81,13 @@ class HostStore:
                     seen.add(id(t))
                     if isinstance(t, nn.Parameter):
                         self.parameters.append(t)
-                    trainable = isinstance(t, nn.Parameter) and t.requires_grad
-                    pending.setdefault((i, t.dtype, trainable), []).append(t)
+                        kind = "trainable" if t.requires_grad else "frozen"
+                    else:
+                        kind = "buffer"
+                    pending.setdefault((i, t.dtype, kind), []).append(t)
         placed: dict[int, TensorRef] = {}
-        for (layer_index, dtype, trainable), tensors in pending.items():
-            placed.update(self._pack(layer_index, dtype, trainable, tensors))
+        for (layer_index, dtype, kind), tensors in pending.items():
+            placed.update(self._pack(layer_index, dtype, kind, tensors))
         for tensors in named:
             refs = tuple(
                 TensorRef(name, placed[id(t)].group, placed[id(t)].offset, placed[id(t)].shape) for name, t in tensors
@@ -76,12 +95,15 @@ class HostStore:
             self.layer_tensors.append(refs)
             self._layer_groups.append(tuple(dict.fromkeys(r.group for r in refs)))
 
-    def _pack(self, layer: int, dtype: torch.dtype, trainable: bool, tensors: list[Tensor]) -> dict[int, TensorRef]:
+    def _pack(self, layer: int, dtype: torch.dtype, kind: str, tensors: list[Tensor]) -> dict[int, TensorRef]:
         """Copy ``tensors`` into one new flat buffer and make them views of it."""
         refs: dict[int, TensorRef] = {}
         total = sum(t.numel() for t in tensors)
         data = torch.empty(total, dtype=dtype)
-        group = FlatGroup(len(self.groups), layer, trainable, data, torch.zeros_like(data) if trainable else None)
+        cast = kind != "buffer" and self.compute_dtype is not None and dtype.is_floating_point
+        compute = torch.empty(total, dtype=self.compute_dtype) if cast and self.compute_dtype != dtype else data
+        grad = torch.zeros_like(data) if kind == "trainable" else None
+        group = FlatGroup(len(self.groups), layer, kind, data, compute, grad)
         self.groups.append(group)
         offset = 0
         for t in tensors:
@@ -89,12 +111,33 @@ class HostStore:
             view = data[offset : offset + n]
             view.copy_(t.detach().reshape(-1))
             t.data = view.view(t.shape)
-            if trainable:
+            group.members.append(t)
+            if kind == "trainable":
                 assert isinstance(t, nn.Parameter)
                 group.params.append((t, offset))
             refs[id(t)] = TensorRef("", group.index, offset, t.shape)
             offset += n
+        self._refresh(group)
         return refs
+
+    def _refresh(self, group: FlatGroup) -> None:
+        if group.compute is not group.data:
+            group.compute.copy_(group.data)
+        group.synced_version = group.version()
+        group.dirty = False
+
+    def mark_dirty(self) -> None:
+        """The masters changed in a way version counters miss (fused optimizer kernels do not bump them)."""
+        for group in self.groups:
+            group.dirty = group.compute is not group.data
+
+    def sync_compute(self) -> int:
+        """Refresh the compute copies whose master changed: marked dirty (after an optimizer step) or
+        edited in place since (``load_state_dict``, a user's ``p.mul_``). Returns the groups copied."""
+        stale = [g for g in self.groups if g.compute is not g.data and (g.dirty or g.version() != g.synced_version)]
+        for group in stale:
+            self._refresh(group)
+        return len(stale)
 
     def groups_of(self, layers: Iterable[int]) -> tuple[int, ...]:
         """Groups a set of layers reads, each once, in layer order (tied tensors may add another layer's)."""
@@ -105,12 +148,12 @@ class HostStore:
         return sum(p.numel() for p in self.parameters)
 
     def nbytes(self) -> int:
-        """Host bytes held for weights, buffers and gradients."""
+        """Host bytes held for master weights, compute copies, buffers and gradients."""
         total = 0
         for g in self.groups:
-            total += g.data.numel() * g.data.element_size()
-            if g.grad is not None:
-                total += g.grad.numel() * g.grad.element_size()
+            for t in (g.data, g.grad) + (() if g.compute is g.data else (g.compute,)):
+                if t is not None:
+                    total += t.numel() * t.element_size()
         return total
 
     def install_grads(self) -> None:

@@ -8,8 +8,9 @@ slot before moving to its next slot. Example, 2 workers, plan ``"2|1,1,1"`` (4 s
     w0 | 0:F0.0 0:F0.1 | 0:B2.0 0:B2.1
     w1 | 0:L1.0 0:L1.1 | 0:B3.0 0:B3.1
 
-:func:`round_robin` gives the compute-only schedule; :func:`add_transfers` adds the weight uploads
-and gradient downloads around each slot.
+:func:`round_robin` gives the compute-only schedule;
+:func:`lightning_roundpipe.schedule.transfers.add_transfers` adds the weight uploads and gradient
+downloads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Schedule:
     num_rounds: int
     first_worker: int
     workers: tuple[tuple[Action, ...], ...]
+    overlap: str | None = None
+    """How transfers were placed (see :mod:`~lightning_roundpipe.schedule.transfers`); ``None``: none yet."""
 
     @property
     def num_microbatches(self) -> int:
@@ -58,9 +61,10 @@ class Schedule:
             cells: list[str] = []
             prev = None
             for i, action in enumerate(actions):
-                if prev is not None and (action.round, action.slot) != prev:
-                    cells.append("|")
-                prev = (action.round, action.slot)
+                if action.op.is_compute:
+                    if prev is not None and (action.round, action.slot) != prev:
+                        cells.append("|")
+                    prev = (action.round, action.slot)
                 text = str(action)
                 cells.append(f">>{text}<<" if mark == (w, i) else text)
             rows.append(f"w{w} | " + " ".join(cells))
@@ -95,19 +99,3 @@ def round_robin(
             for mb in range(first_mb, first_mb + microbatches_per_round):
                 lists[worker].append(Action(Op.for_stage(stage.kind), rnd, stage.slot, mb))
     return replace(schedule, workers=tuple(map(tuple, lists)))
-
-
-def add_transfers(schedule: Schedule) -> Schedule:
-    """Bracket each slot's run of compute actions with a weight upload before it and an unload after it."""
-    workers = []
-    for actions in schedule.workers:
-        out: list[Action] = []
-        for i, action in enumerate(actions):
-            key = (action.round, action.slot)
-            if i == 0 or (actions[i - 1].round, actions[i - 1].slot) != key:
-                out.append(Action(Op.LOAD, *key))
-            out.append(action)
-            if i == len(actions) - 1 or (actions[i + 1].round, actions[i + 1].slot) != key:
-                out.append(Action(Op.UNLOAD, *key))
-        workers.append(tuple(out))
-    return replace(schedule, workers=tuple(workers))

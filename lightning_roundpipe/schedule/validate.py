@@ -36,19 +36,7 @@ def validate(schedule: Schedule) -> None:
             f" micro-batch): {missing}, extra: {extra})\n{schedule.grid()}"
         )
     for w, actions in enumerate(schedule.workers):
-        loaded: set[tuple[int, int]] = set()
-        for i, action in enumerate(actions):
-            key = (action.round, action.slot)
-            if action.op is Op.LOAD:
-                loaded.add(key)
-            elif action.op is Op.UNLOAD:
-                if key not in loaded:
-                    _fail(schedule, w, i, "unloads weights it never loaded")
-                loaded.discard(key)
-            elif loaded and key not in loaded:
-                _fail(schedule, w, i, "computes a slot whose weights are not loaded on this worker")
-        if loaded:
-            raise ScheduleError(f"worker {w} never unloads {sorted(loaded)}\n{schedule.grid()}")
+        _check_transfers(schedule, w, actions)
 
     available = set()
     position = [0] * schedule.num_workers
@@ -69,6 +57,48 @@ def validate(schedule: Schedule) -> None:
             available.update(produces(action, plan))
             position[w] += 1
             remaining -= 1
+
+
+def _check_transfers(schedule: Schedule, w: int, actions: tuple[Action, ...]) -> None:
+    """Every slot a worker computes has its weights uploaded before and its unload after, in all parts."""
+    first: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], int] = {}
+    for i, a in enumerate(actions):
+        if a.op.is_compute:
+            first.setdefault((a.round, a.slot), i)
+            last[(a.round, a.slot)] = i
+    if not any(not a.op.is_compute for a in actions):
+        return  # a compute-only schedule: transfers not added yet
+    seen: dict[tuple[Op, int, int], set[int]] = {}
+    for i, a in enumerate(actions):
+        if a.op.is_compute:
+            continue
+        key = (a.round, a.slot)
+        if key not in first:
+            _fail(schedule, w, i, "moves weights of a slot this worker never computes")
+        if a.op is Op.LOAD and i > first[key]:
+            _fail(schedule, w, i, "uploads weights after the slot started computing")
+        if a.op is Op.UNLOAD and i < last[key]:
+            _fail(schedule, w, i, "unloads a slot before its last compute")
+        parts = seen.setdefault((a.op, *key), set())
+        if a.part in parts:
+            _fail(schedule, w, i, "repeats a transfer part")
+        parts.add(a.part)
+        if len(parts) == a.parts and sorted(parts) != list(range(a.parts)):
+            _fail(schedule, w, i, "has inconsistent transfer parts")
+    for key in first:
+        for op in (Op.LOAD, Op.UNLOAD):
+            if (op, *key) not in seen:
+                raise ScheduleError(
+                    f"worker {w} never runs {op.name} for round {key[0]} slot {key[1]}\n{schedule.grid()}"
+                )
+    for (op, rnd, slot), parts in seen.items():
+        expected = next(a.parts for a in actions if (a.op, a.round, a.slot) == (op, rnd, slot))
+        if len(parts) != expected:
+            raise ScheduleError(
+                f"worker {w}: {op.name} of round {rnd} slot {slot} has parts {sorted(parts)} of {expected}\n"
+                f"{schedule.grid()}"
+            )
 
 
 def _fail(schedule: Schedule, worker: int, index: int, why: str) -> None:

@@ -1,0 +1,83 @@
+"""Gradient collection: adding a stage's downloaded gradients into the host gradient buffers.
+
+One collector thread per worker, so a worker never stops issuing device work to wait for a copy or
+to add on the host. Jobs run in the order the worker submitted them; each waits for the device copy,
+then for the previous writer of each gradient group (a chain fixed when the batch was planned), so
+gradients are summed in the same order on every run, whatever the thread timing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
+
+
+@dataclass
+class GradJob:
+    """Staged gradients of one slot: ``staging[group]`` is added to ``store.groups[group].grad``."""
+
+    staging: dict[int, Tensor]
+    ready: Any
+    waits: list[Gate]
+    done: Gate
+
+
+class GradCollector:
+    """A thread adding one worker's downloaded gradients into the host store."""
+
+    def __init__(
+        self, name: str, device: WorkerDevice, store: HostStore, on_error: Callable[[BaseException], None]
+    ) -> None:
+        self.device = device
+        self.store = store
+        self._on_error = on_error
+        self._jobs: queue.SimpleQueue[GradJob | threading.Event | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: GradJob) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far was handled (done, skipped after an abort, or failed)."""
+        flushed = threading.Event()
+        self._jobs.put(flushed)
+        flushed.wait()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            try:
+                self.device.host_wait(job.ready)
+                for gate in job.waits:
+                    gate.wait()
+                for g, staged in job.staging.items():
+                    grad = self.store.groups[g].grad
+                    assert grad is not None
+                    grad.add_(staged)
+                    self.device.pool.give(staged)
+                job.done.set()
+            except PipelineAborted:
+                pass
+            except BaseException as e:
+                self._on_error(e)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop the thread after its queued jobs; ``False`` if it is still running after ``timeout``."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
