@@ -1,0 +1,155 @@
+"""A randomly initialised decoder with Qwen3's shapes, as an ``nn.Sequential`` (no downloads).
+
+Layers: embedding, ``num_layers`` decoder blocks (RMSNorm, grouped-query attention with per-head
+q/k RMSNorm and rotary embeddings, SwiGLU MLP), and a head (final norm, LM head tied to the
+embedding, chunked cross-entropy). The labels ride along with the hidden states, so the last layer
+returns the loss: ``model((tokens, labels))`` is the mean token loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_roundpipe.models import chunked_linear_cross_entropy
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+
+
+SHAPES = {
+    "qwen3-1.7b": Shape(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936),
+    "qwen3-4b": Shape(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728, vocab=151936),
+    "debug": Shape(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=97),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class Embed(nn.Module):
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape.vocab, shape.hidden))
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        tokens, labels = batch
+        h = F.embedding(tokens, self.weight)
+        return h.to(_compute_dtype(h)), labels  # the residual stream in the compute dtype
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, shape: Shape, rope_theta: float = 1_000_000.0) -> None:
+        super().__init__()
+        s = shape
+        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
+        self.input_norm = RMSNorm(s.hidden)
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.q_norm = RMSNorm(s.head_dim)
+        self.k_norm = RMSNorm(s.head_dim)
+        self.post_norm = RMSNorm(s.hidden)
+        self.gate = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.up = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.down = nn.Linear(s.ffn, s.hidden, bias=False)
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, labels = batch
+        b, t, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_norm(self.q_proj(h).view(b, t, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(h).view(b, t, self.kv_heads, self.head_dim))
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
+        angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = (f(angles)[None, :, None, :].to(q.dtype) for f in (torch.cos, torch.sin))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)), labels
+
+
+class Head(nn.Module):
+    """Final norm, LM head (tied to the embedding) and the chunked loss."""
+
+    def __init__(self, shape: Shape, embed: Embed) -> None:
+        super().__init__()
+        self.norm = RMSNorm(shape.hidden)
+        self.weight = embed.weight
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, labels = batch
+        return chunked_linear_cross_entropy(self.norm(x), self.weight, labels)
+
+
+def build(shape: Shape) -> nn.Sequential:
+    """Build on the current default device (use ``torch.device('meta')`` and :func:`init` for speed)."""
+    embed = Embed(shape)
+    return nn.Sequential(embed, *(Block(shape) for _ in range(shape.layers)), Head(shape, embed))
+
+
+@torch.no_grad()
+def init(model: nn.Sequential, seed: int = 0) -> nn.Sequential:
+    """Random normal weights (std 0.02), ones for norms; recomputes buffers lost on the meta device."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+    for block in model:
+        if isinstance(block, Block):
+            d = block.head_dim
+            block.inv_freq.copy_(1.0 / 1_000_000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    return model
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(shape: Shape, seq_len: int, recompute: bool) -> float:
+    """Matmul and attention FLOPs per token for forward + backward (+ the recomputed block forward)."""
+    s = shape
+    block = 2 * (s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden)
+    block += 2 * 3 * s.hidden * s.ffn
+    block += 2 * 2 * seq_len * s.heads * s.head_dim * 0.5  # causal QK^T and PV
+    head = 2 * s.hidden * s.vocab
+    forward = s.layers * block + head
+    return 3 * forward + (s.layers * block if recompute else 0)

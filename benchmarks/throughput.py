@@ -1,0 +1,265 @@
+"""Forward+backward throughput of roundpipe on one GPU against plain on-GPU training, side by side.
+
+Each configuration runs in its own process (clean peak-memory numbers), on a randomly initialised
+model with Qwen3's shapes (``benchmarks/qwen3_shape.py``), bf16, the chunked LM-head loss:
+
+- ``plain``: the model on the GPU, fp32 weights under bf16 autocast, activation checkpointing of
+  every decoder block, fused AdamW on the GPU.
+- ``roundpipe-priority`` / ``-simple`` / ``-none``: the engine on one GPU with weights, gradients and
+  stage inputs on the host, and weight/gradient transfers placed by priority-aware parts, one-piece
+  prefetch, or no overlap (the ablation of paper Figure 18).
+- ``roundpipe-4b-24gb``: a Qwen3-4B-shaped full fine-tune (host AdamW) on an emulated 24 GB card.
+
+    python benchmarks/throughput.py --out benchmarks/results/throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
+
+CONFIGS = ("plain", "roundpipe-priority", "roundpipe-simple", "roundpipe-none", "roundpipe-4b-24gb")
+GiB = 1024**3
+
+
+def batch(shape: Shape, seqs: int, seq_len: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape.vocab, (seqs, seq_len + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def default_plan(num_layers: int, fused_blocks: int) -> str:
+    """Forward stages of 3 layers, a fused stage of the head and ``fused_blocks`` blocks, backward stages of 1."""
+    fused = 1 + fused_blocks
+    rest = num_layers - fused
+    forward = [3] * (rest // 3) + ([rest % 3] if rest % 3 else [])
+    return ",".join(map(str, forward)) + "|" + ",".join(map(str, [fused] + [1] * rest))
+
+
+def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.cuda.set_device(0)
+    with torch.device("cuda"):
+        model = init(build(shape))
+    layers = list(model.children())
+
+    def forward(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x = layers[0]((tokens, labels))
+            for block in layers[1:-1]:
+                x = checkpoint(block, x, use_reentrant=False)
+            return layers[-1](x)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    fwd_bwd, opt_times = [], []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        tokens, labels = batch(shape, args.seqs, args.seq_len, step, "cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forward(tokens, labels).backward()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            fwd_bwd.append(t1 - t0)
+            opt_times.append(time.perf_counter() - t1)
+    return {
+        "fwd_bwd_s": fwd_bwd,
+        "optimizer_s": opt_times,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
+        "parameters": num_parameters(model),
+        "host_rss_gib": psutil.Process().memory_info().rss / GiB,
+        "recompute": True,
+    }
+
+
+def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimizer_steps: int) -> dict[str, Any]:
+    from lightning_roundpipe.runtime import PipelineEngine
+    from lightning_roundpipe.runtime.device import CudaWorkerDevice
+    from lightning_roundpipe.schedule import StagePlan
+
+    torch.cuda.set_device(0)
+    if args.gpu_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            args.gpu_gib * GiB / torch.cuda.get_device_properties(0).total_memory
+        )
+    rss0 = psutil.Process().memory_info().rss
+    with torch.device("meta"):
+        model = build(shape)
+    model = init(model.to_empty(device="cpu"))
+    params = num_parameters(model)
+    plan = StagePlan.parse(args.plan or default_plan(len(model), args.fused_blocks))
+    assert args.seqs % args.micro_batch == 0, "--seqs must be a multiple of --micro-batch"
+    engine = PipelineEngine(
+        list(model.children()),
+        [CudaWorkerDevice("cuda:0", 0)],
+        plan=plan,
+        microbatches_per_round=args.seqs // args.micro_batch,
+        compute_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+        overlap=overlap,  # type: ignore[arg-type]
+    )
+    del model
+    gc.collect()
+
+    def count(labels: torch.Tensor) -> torch.Tensor:
+        return (labels != -100).sum()
+
+    def step(i: int) -> float:
+        tokens, labels = batch(shape, args.seqs, args.seq_len, i)
+        t0 = time.perf_counter()
+        engine.train_batch((tokens, labels), labels, lambda out, _: out, reduction=count)
+        return time.perf_counter() - t0
+
+    try:
+        fwd_bwd = []
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+                up0, down0 = engine.transferred_bytes()
+            elapsed = step(i)
+            if i >= args.warmup:
+                fwd_bwd.append(elapsed)
+            engine.store.clear_grads()
+        up, down = engine.transferred_bytes()
+        timed = sum(fwd_bwd)
+        result: dict[str, Any] = {
+            "fwd_bwd_s": fwd_bwd,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
+            "parameters": params,
+            "plan": str(plan),
+            "microbatches": args.seqs // args.micro_batch,
+            "h2d_gb_per_step": (up - up0) / 1e9 / args.steps,
+            "d2h_gb_per_step": (down - down0) / 1e9 / args.steps,
+            "h2d_gb_s": (up - up0) / 1e9 / timed,
+            "d2h_gb_s": (down - down0) / 1e9 / timed,
+            "store_bytes_per_param": engine.store.nbytes() / params,
+            "pinned_gib": engine.pool.pinned_bytes / GiB,
+        }
+        if optimizer_steps:
+            opt = torch.optim.AdamW(engine.store.parameters, lr=1e-5, fused=True)
+            steps = []
+            for i in range(optimizer_steps):
+                t0 = time.perf_counter()
+                step(1000 + i)
+                engine.store.install_grads()
+                opt.step()
+                engine.store.clear_grads()
+                engine.store.mark_dirty()
+                steps.append(time.perf_counter() - t0)
+            states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+            result["full_step_s"] = steps
+            result["host_bytes_per_param"] = (engine.store.nbytes() + states) / params
+        result["host_rss_gib"] = (psutil.Process().memory_info().rss - rss0) / GiB
+        return result
+    finally:
+        engine.close()
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    config = args.run
+    if config == "plain":
+        out = run_plain(args, SHAPES[args.model])
+    elif config == "roundpipe-4b-24gb":
+        args.gpu_gib, args.seqs = 24, args.seqs_4b
+        out = run_roundpipe(args, SHAPES["qwen3-4b"], "priority", optimizer_steps=2)
+        out["model"] = "qwen3-4b"
+    else:
+        out = run_roundpipe(args, SHAPES[args.model], config.split("-", 1)[1], args.optimizer_steps)
+    out.setdefault("model", args.model)
+    out.update(config=config, seqs=args.seqs, seq_len=args.seq_len)
+    tokens = args.seqs * args.seq_len
+    out["tokens_per_s"] = tokens * len(out["fwd_bwd_s"]) / sum(out["fwd_bwd_s"])
+    shape = SHAPES[out["model"]]
+    out["model_tflops"] = flops_per_token(shape, args.seq_len, recompute=False) * out["tokens_per_s"] / 1e12
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", choices=CONFIGS, help="run one configuration in this process")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--seqs", type=int, default=32, help="sequences per step")
+    p.add_argument("--seqs-4b", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (roundpipe)")
+    p.add_argument("--fused-blocks", type=int, default=4, help="decoder blocks in the fused stage")
+    p.add_argument("--plan", default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--optimizer-steps", type=int, default=1)
+    p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+
+    results = []
+    for config in args.configs.split(","):
+        shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out") and v is not None}
+        cmd = [sys.executable, __file__, "--run", config]
+        for key, value in shared.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            results.append({"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode})
+            print(f"{config}: FAILED ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        result = json.loads(lines[-1][len("RESULT ") :])
+        result["wall_s"] = time.perf_counter() - t0
+        results.append(result)
+        print(f"{config}: {result['tokens_per_s']:.0f} tokens/s, peak GPU {result['peak_gpu_gib']:.1f} GiB", flush=True)
+
+    plain = next((r for r in results if r.get("config") == "plain" and "error" not in r), None)
+    print(f"\n{'config':22} {'tok/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'GPU GiB':>8} {'GPU/plain':>9} "
+          f"{'H2D GB/s':>8} {'D2H GB/s':>8} {'host B/p':>8}")  # fmt: skip
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:22} failed")
+            continue
+        same_model = plain is not None and r["model"] == plain["model"]
+        ratio = r["tokens_per_s"] / plain["tokens_per_s"] if same_model else float("nan")
+        mem = r["peak_gpu_gib"] / plain["peak_gpu_gib"] if same_model else float("nan")
+        r["ratio_to_plain"], r["gpu_memory_ratio_to_plain"] = ratio, mem
+        print(
+            f"{r['config']:22} {r['tokens_per_s']:8.0f} {ratio:6.3f} {r['model_tflops']:8.1f} {r['peak_gpu_gib']:8.2f}"
+            f" {mem:9.3f} {r.get('h2d_gb_s', 0):8.1f} {r.get('d2h_gb_s', 0):8.1f}"
+            f" {r.get('host_bytes_per_param', r.get('store_bytes_per_param', 0)):8.1f}"
+        )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+        }
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

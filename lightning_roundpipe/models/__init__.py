@@ -1,0 +1,5 @@
+"""Turning models into layer sequences, and the losses that go with them."""
+
+from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
+
+__all__ = ["chunked_linear_cross_entropy"]

@@ -1,0 +1,84 @@
+"""LM head and cross-entropy in chunks, so full-vocabulary logits are never held for a whole micro-batch.
+
+The algorithm, for hidden states ``h`` (T x H), head weight ``W`` (V x H) and labels ``y`` (T):
+
+1. Count the tokens that are not ``ignore_index``: ``n``.
+2. For each chunk of ``chunk_size`` tokens: compute the chunk's logits ``h_c W^T`` in fp32, their
+   log-sum-exp, and the loss ``sum(lse - logit[y])`` over counted tokens.
+3. In the same pass, the chunk's gradient of the *mean* loss w.r.t. its logits is
+   ``(softmax - onehot(y)) / n`` (zero on ignored rows). Multiply it out at once: ``dh_c = dlogits W``
+   and ``dW += dlogits^T h_c``. Then drop the chunk's logits.
+4. Backward only scales the stored ``dh`` and ``dW`` by the incoming gradient.
+
+Peak extra memory is one chunk of fp32 logits plus ``dW`` in fp32, instead of ``T x V`` logits and
+their gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int
+    ) -> Tensor:
+        compute_dtype = hidden.dtype
+        w = weight.to(compute_dtype)
+        counted = labels != ignore_index
+        n = counted.sum()
+        denom = n.clamp_min(1).to(torch.float32)
+        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_weight = None
+        if weight.requires_grad:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]
+            y = labels[start : start + chunk_size]
+            keep = counted[start : start + chunk_size]
+            logits = (h @ w.T).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_y = torch.where(keep, y, torch.zeros_like(y))
+            picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            total += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
+            if grad_hidden is None and grad_weight is None:
+                continue
+            grad_logits = torch.softmax(logits, dim=-1)
+            grad_logits.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
+            grad_logits.mul_((keep.float() / denom)[:, None])
+            del logits
+            g = grad_logits.to(compute_dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_size] = g @ w
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, h.float())
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total / denom
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        dh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
+        dw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
+        return dh, dw, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, chunk_size: int = 4096
+) -> Tensor:
+    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=...)`` (mean over counted tokens),
+    computed ``chunk_size`` tokens at a time. ``hidden`` is ``(..., H)``, ``labels`` matches its
+    leading dimensions; the result is 0 when no token is counted."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), ignore_index, chunk_size
+    )

@@ -1,0 +1,143 @@
+"""The CUDA data plane gives the numbers of the CPU engine and of plain training (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import BoringPipeline, fit, flat_weights, relative_error
+from torch import nn
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.runtime.device import CudaWorkerDevice
+from lightning_roundpipe.schedule import StagePlan
+
+pytestmark = pytest.mark.gpu
+
+
+def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(64, 64),
+        nn.ReLU(inplace=True),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 8),
+    )
+
+
+def train(model: nn.Sequential, devices: list[WorkerDevice], steps: int = 3, **kwargs) -> torch.Tensor:
+    engine = PipelineEngine(list(model.children()), devices, plan=StagePlan.parse("2,2|2,1,2,1"), **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(steps):
+            x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
+            engine.train_batch(x, y, F.mse_loss)
+            engine.store.install_grads()
+            opt.step()
+            engine.store.clear_grads()
+            engine.store.mark_dirty()
+    finally:
+        engine.close()
+    return flat_weights(model)
+
+
+def plain(model: nn.Sequential, steps: int = 3) -> torch.Tensor:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return flat_weights(model)
+
+
+@pytest.mark.parametrize("overlap", ["none", "simple", "priority"])
+def test_fp32_gpu_matches_cpu_engine_and_plain(overlap):
+    base = mlp()
+    want = plain(copy.deepcopy(base))
+    cpu = train(copy.deepcopy(base), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=3)
+    gpu = train(copy.deepcopy(base), [CudaWorkerDevice("cuda:0", 0)], microbatches_per_round=3, overlap=overlap)
+    assert relative_error(cpu, want) <= 1e-5
+    assert relative_error(gpu, want) <= 1e-4
+    assert relative_error(gpu, cpu) <= 1e-4
+
+
+def test_workers_sharing_one_gpu_exchange_through_events():
+    base = mlp()
+    want = plain(copy.deepcopy(base))
+    devices = [CudaWorkerDevice("cuda:0", i) for i in range(3)]
+    got = train(copy.deepcopy(base), devices, microbatches_per_round=4, num_rounds=2)
+    assert relative_error(got, want) <= 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp32_on_every_gpu_matches_plain():
+    base = mlp()
+    want = plain(copy.deepcopy(base))
+    n = torch.cuda.device_count()
+    devices = [CudaWorkerDevice(f"cuda:{i}", i) for i in range(n)]
+    got = train(copy.deepcopy(base), devices, microbatches_per_round=n + 1)
+    assert relative_error(got, want) <= 1e-4
+
+
+def test_bf16_gpu_within_bf16_tolerance():
+    base = mlp()
+    want = plain(copy.deepcopy(base))
+    got = train(
+        copy.deepcopy(base),
+        [CudaWorkerDevice("cuda:0", 0)],
+        microbatches_per_round=3,
+        compute_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+    )
+    assert relative_error(got, want) <= 3e-2
+
+
+def test_host_buffers_are_pinned_at_exact_sizes():
+    model = mlp()
+    engine = PipelineEngine(list(model.children()), [CudaWorkerDevice("cuda:0", 0)], compute_dtype=torch.bfloat16)
+    try:
+        for group in engine.store.groups:
+            assert group.compute.is_pinned()
+        expected = sum(g.compute.numel() * g.compute.element_size() for g in engine.store.groups)
+        assert engine.pool.pinned_bytes == expected
+        buffer = engine.pool.take(12345, torch.bfloat16)
+        assert buffer.is_pinned() and buffer.numel() == 12345
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_gpu_worker_failure_reaches_main_thread():
+    class Boom(nn.Module):
+        def forward(self, x):
+            if torch.is_grad_enabled():
+                raise RuntimeError("gpu layer failed")
+            return x
+
+    model = mlp()
+    model.insert(3, Boom())
+    engine = PipelineEngine(list(model.children()), [CudaWorkerDevice("cuda:0", i) for i in range(2)])
+    try:
+        with pytest.raises(RuntimeError, match="gpu layer failed"):
+            engine.train_batch(torch.randn(6, 32), torch.randn(6, 8), F.mse_loss)
+    finally:
+        engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def test_lightning_on_gpu_matches_cpu():
+    cpu = fit(BoringPipeline, {"accelerator": "cpu", "devices": 1})
+    gpu = fit(BoringPipeline, {"accelerator": "gpu", "devices": 1, "strategy": RoundPipeStrategy(num_microbatches=3)})
+    assert gpu.model[0].weight.device.type == "cpu"  # the model stays on the host
+    assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
