@@ -126,7 +126,9 @@ def build(shape: Shape) -> nn.Sequential:
 
 @torch.no_grad()
 def init(model: nn.Sequential, seed: int = 0) -> nn.Sequential:
-    """Random normal weights (std 0.02), ones for norms; recomputes buffers lost on the meta device."""
+    """Random normal weights (std 0.02), ones for norms; recomputes buffers lost on the meta device and
+    re-ties the head to the embedding (``to_empty`` unties shared parameters)."""
+    model[-1].weight = model[0].weight
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:

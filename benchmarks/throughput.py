@@ -32,6 +32,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
+
+def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, float]:
+    """Run ``step()`` under the profiler; return GPU busy fractions and write the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    kernels, copies = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            (copies if "memcpy" in e.name.lower() else kernels).append((e.time_range.start, e.time_range.end))
+
+    def union(intervals: list[tuple[float, float]]) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    if out_dir:
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        Path(out_dir, f"profile-{name}.txt").write_text(table)
+    return {"kernel_busy": union(kernels) / wall_us, "copy_busy": union(copies) / wall_us, "profiled_s": wall_us / 1e6}
+
+
 CONFIGS = ("plain", "roundpipe-priority", "roundpipe-simple", "roundpipe-none", "roundpipe-4b-24gb")
 GiB = 1024**3
 
@@ -82,7 +112,17 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         if step >= args.warmup:
             fwd_bwd.append(t1 - t0)
             opt_times.append(time.perf_counter() - t1)
+    profiled = {}
+    if args.profile:
+
+        def one() -> None:
+            tokens, labels = batch(shape, args.seqs, args.seq_len, 999, "cuda")
+            forward(tokens, labels).backward()
+            opt.zero_grad(set_to_none=True)
+
+        profiled = profile_step(one, args.profile, "plain")
     return {
+        **profiled,
         "fwd_bwd_s": fwd_bwd,
         "optimizer_s": opt_times,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
@@ -117,6 +157,7 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
         compute_dtype=torch.bfloat16,
         autocast_dtype=torch.bfloat16,
         overlap=overlap,  # type: ignore[arg-type]
+        max_inflight=args.max_inflight,
     )
     del model
     gc.collect()
@@ -155,19 +196,29 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
             "store_bytes_per_param": engine.store.nbytes() / params,
             "pinned_gib": engine.pool.pinned_bytes / GiB,
         }
+        if args.profile:
+            result.update(profile_step(lambda: step(999), args.profile, args.run))
+            engine.store.clear_grads()
         if optimizer_steps:
             opt = torch.optim.AdamW(engine.store.parameters, lr=1e-5, fused=True)
-            steps = []
+            steps, parts = [], []
             for i in range(optimizer_steps):
                 t0 = time.perf_counter()
                 step(1000 + i)
+                t1 = time.perf_counter()
                 engine.store.install_grads()
                 opt.step()
+                t2 = time.perf_counter()
                 engine.store.clear_grads()
+                t3 = time.perf_counter()
                 engine.store.mark_dirty()
-                steps.append(time.perf_counter() - t0)
+                engine.store.sync_compute()
+                t4 = time.perf_counter()
+                steps.append(t4 - t0)
+                parts.append({"fwd_bwd": t1 - t0, "adamw": t2 - t1, "zero_grads": t3 - t2, "refresh_bf16": t4 - t3})
             states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
             result["full_step_s"] = steps
+            result["full_step_parts_s"] = parts
             result["host_bytes_per_param"] = (engine.store.nbytes() + states) / params
         result["host_rss_gib"] = (psutil.Process().memory_info().rss - rss0) / GiB
         return result
@@ -176,7 +227,10 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    config = args.run
+    config, _, overrides = args.run.partition("@")
+    for item in filter(None, overrides.split(",")):  # e.g. roundpipe-priority@micro_batch=8,max_inflight=4
+        key, value = item.split("=")
+        setattr(args, key, type(getattr(args, key))(value))
     if config == "plain":
         out = run_plain(args, SHAPES[args.model])
     elif config == "roundpipe-4b-24gb":
@@ -186,7 +240,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out = run_roundpipe(args, SHAPES[args.model], config.split("-", 1)[1], args.optimizer_steps)
     out.setdefault("model", args.model)
-    out.update(config=config, seqs=args.seqs, seq_len=args.seq_len)
+    out.update(config=args.run, seqs=args.seqs, seq_len=args.seq_len, micro_batch=args.micro_batch)
     tokens = args.seqs * args.seq_len
     out["tokens_per_s"] = tokens * len(out["fwd_bwd_s"]) / sum(out["fwd_bwd_s"])
     shape = SHAPES[out["model"]]
@@ -196,7 +250,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", choices=CONFIGS, help="run one configuration in this process")
+    p.add_argument(
+        "--run",
+        help=f"run one configuration in this process: one of {CONFIGS}, optionally with"
+        " overrides of the options below, e.g. 'roundpipe-priority@micro_batch=8'",
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--seqs", type=int, default=32, help="sequences per step")
@@ -208,7 +266,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--optimizer-steps", type=int, default=1)
+    p.add_argument("--max-inflight", type=int, default=3, help="micro-batches a worker runs ahead of its GPU")
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
+    p.add_argument("--profile", default=None, help="profile one extra step; write kernel tables to this folder")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -233,21 +293,24 @@ def main() -> None:
         result["wall_s"] = time.perf_counter() - t0
         results.append(result)
         print(f"{config}: {result['tokens_per_s']:.0f} tokens/s, peak GPU {result['peak_gpu_gib']:.1f} GiB", flush=True)
+        result["config"] = config
 
     plain = next((r for r in results if r.get("config") == "plain" and "error" not in r), None)
+    for r in results:
+        r.setdefault("model", args.model)
     print(f"\n{'config':22} {'tok/s':>8} {'ratio':>6} {'TFLOP/s':>8} {'GPU GiB':>8} {'GPU/plain':>9} "
           f"{'H2D GB/s':>8} {'D2H GB/s':>8} {'host B/p':>8}")  # fmt: skip
     for r in results:
         if "error" in r:
-            print(f"{r['config']:22} failed")
+            print(f"{r['config'][:22]:22} failed")
             continue
         same_model = plain is not None and r["model"] == plain["model"]
         ratio = r["tokens_per_s"] / plain["tokens_per_s"] if same_model else float("nan")
         mem = r["peak_gpu_gib"] / plain["peak_gpu_gib"] if same_model else float("nan")
         r["ratio_to_plain"], r["gpu_memory_ratio_to_plain"] = ratio, mem
         print(
-            f"{r['config']:22} {r['tokens_per_s']:8.0f} {ratio:6.3f} {r['model_tflops']:8.1f} {r['peak_gpu_gib']:8.2f}"
-            f" {mem:9.3f} {r.get('h2d_gb_s', 0):8.1f} {r.get('d2h_gb_s', 0):8.1f}"
+            f"{r['config'][:22]:22} {r['tokens_per_s']:8.0f} {ratio:6.3f} {r['model_tflops']:8.1f}"
+            f" {r['peak_gpu_gib']:8.2f} {mem:9.3f} {r.get('h2d_gb_s', 0):8.1f} {r.get('d2h_gb_s', 0):8.1f}"
             f" {r.get('host_bytes_per_param', r.get('store_bytes_per_param', 0)):8.1f}"
         )
     if args.out:

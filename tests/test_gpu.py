@@ -34,7 +34,7 @@ def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
 
 
 def train(model: nn.Sequential, devices: list[WorkerDevice], steps: int = 3, **kwargs) -> torch.Tensor:
-    engine = PipelineEngine(list(model.children()), devices, plan=StagePlan.parse("2,2|2,1,2,1"), **kwargs)
+    engine = PipelineEngine(list(model.children()), devices, plan=StagePlan.parse("3,3|2,2,2,2"), **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     try:

@@ -10,8 +10,9 @@ The algorithm, for hidden states ``h`` (T x H), head weight ``W`` (V x H) and la
    and ``dW += dlogits^T h_c``. Then drop the chunk's logits.
 4. Backward only scales the stored ``dh`` and ``dW`` by the incoming gradient.
 
-Peak extra memory is one chunk of fp32 logits plus ``dW`` in fp32, instead of ``T x V`` logits and
-their gradient.
+Peak extra memory is one chunk of fp32 logits (reused for their gradient) plus ``dW`` in fp32,
+instead of ``T x V`` logits and their gradient. The matmuls run in the compute dtype (bf16 under
+autocast) with fp32 accumulation; only the per-chunk sums into ``dW`` are fp32 adds.
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_logits = torch.softmax(logits, dim=-1)
-            grad_logits.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
-            grad_logits.mul_((keep.float() / denom)[:, None])
-            del logits
-            g = grad_logits.to(compute_dtype)
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+            probs.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
+            probs.mul_((keep.float() / denom)[:, None])
+            g = probs.to(compute_dtype)
+            del logits, probs
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = g @ w
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, h.float())
+                grad_weight.add_(g.T @ h)  # matmul in the compute dtype, summed over chunks in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / denom
@@ -70,7 +71,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, chunk_size: int = 4096
+    hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, chunk_size: int = 2048
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=...)`` (mean over counted tokens),
     computed ``chunk_size`` tokens at a time. ``hidden`` is ``(..., H)``, ``labels`` matches its

@@ -23,7 +23,8 @@ from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
 @dataclass
 class GradJob:
-    """Staged gradients of one slot: ``staging[group]`` is added to ``store.groups[group].grad``."""
+    """Gradients of one slot: ``staging[group]`` is added to ``store.groups[group].grad``; groups copied
+    straight into the host buffer need no host work, only the wait for ``ready``."""
 
     staging: dict[int, Tensor]
     ready: Any

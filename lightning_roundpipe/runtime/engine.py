@@ -44,6 +44,8 @@ class PipelineEngine:
             :mod:`lightning_roundpipe.schedule.transfers`.
         seed: base seed of the per-layer random streams (dropout); ``None`` draws it from torch's
             global generator, so ``seed_everything`` makes runs repeatable.
+        max_inflight: micro-batches a worker may have queued on its device beyond the one it is
+            issuing; more smooths host hiccups, each costs one micro-batch of activations.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class PipelineEngine:
         autocast_dtype: torch.dtype | None = None,
         overlap: Overlap = "priority",
         seed: int | None = None,
+        max_inflight: int = 3,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -84,6 +87,8 @@ class PipelineEngine:
         self.store = HostStore(layers, compute_dtype)
         for group in self.store.groups:
             self.pool.register(group.compute)
+            if group.grad is not None:
+                self.pool.register(group.grad)  # first gradient writes land here by DMA
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
@@ -112,6 +117,7 @@ class PipelineEngine:
                     collector,
                     self._on_worker_error,
                     overlap,
+                    max_inflight,
                 )
             )
         self._slot_grad_groups = {
@@ -167,7 +173,7 @@ class PipelineEngine:
         schedule = self.schedule(self.dispatch_position)
         flight = Flight(
             self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
-            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__,
+            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__, self.store.zero_grads,
         )  # fmt: skip
         for m, x in enumerate(mb_inputs):
             flight.put(("act", 0, m), self.pool.stage(x))

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_roundpipe.runtime.collector import GradCollector, GradJob
@@ -64,8 +63,14 @@ class _Loaded:
     flats: dict[int, Tensor]
     ready: Any = None
     """Event after the last upload part; compute waits for it once."""
-    waited: bool = False
+    tensors: dict[int, dict[str, Tensor]] | None = None
+    """Per layer, the named tensors handed to ``functional_call``; built at the slot's first compute."""
+    grads: dict[int, Tensor] = field(default_factory=dict)
+    """Flat gradient buffers of the trainable groups: every parameter's ``.grad`` is a view into one."""
+    backward_ran: bool = False
     last_compute: Any = None
+    downloads: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    """Per group, (device source, host destination) of the gradient download."""
     staging: dict[int, Tensor] = field(default_factory=dict)
 
 
@@ -94,6 +99,7 @@ class StageExecutor:
         self.overlap = overlap
         self.max_inflight = max_inflight
         self.replicas = [weightless_replica(layer) for layer in layers]
+        self._slots_of = [_tensor_slots(replica, refs) for replica, refs in zip(self.replicas, store.layer_tensors)]
         self._on_error = on_error
         self._stages = plan.stages()
         self._saved = set(plan.saved_boundaries())
@@ -176,18 +182,38 @@ class StageExecutor:
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
 
-    def _weights_for_compute(self, stage: Stage, action: Action) -> dict[int, Tensor]:
-        """The slot's device weights, with the compute stream ordered after their upload."""
+    def _weights_for_compute(self, stage: Stage, action: Action) -> dict[int, dict[str, Tensor]]:
+        """The slot's named device tensors per layer, with the compute stream ordered after their upload.
+
+        Built once per slot. In stages with gradients every trainable parameter is its own leaf
+        whose ``.grad`` is preset to a view of a zeroed flat buffer, so autograd accumulates there in
+        place over the micro-batches, and the download is one flat copy per group. (Views of one
+        flat leaf would make autograd build a full-size zero tensor per parameter per backward.)
+        """
         loaded = self._loaded[(action.round, action.slot)]
-        if not loaded.waited:
-            dev = self.device
-            dev.wait(dev.compute, loaded.ready)
-            for g, flat in loaded.flats.items():
-                dev.keep_alive(flat, dev.compute)
-                if stage.has_gradients and self.store.groups[g].trainable:
-                    flat.requires_grad_(True)
-            loaded.waited = True
-        return loaded.flats
+        if loaded.tensors is not None:
+            return loaded.tensors
+        dev = self.device
+        dev.wait(dev.compute, loaded.ready)
+        for g, flat in loaded.flats.items():
+            dev.keep_alive(flat, dev.compute)
+            if stage.has_gradients and self.store.groups[g].trainable:
+                loaded.grads[g] = torch.zeros_like(flat)
+        leaves: dict[tuple[int, int], Tensor] = {}
+        loaded.tensors = {}
+        for i in stage.layers:
+            named = {}
+            for ref in self.store.layer_tensors[i]:
+                key = (ref.group, ref.offset)
+                if key not in leaves:
+                    view = loaded.flats[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)
+                    if ref.group in loaded.grads:
+                        view = view.detach().requires_grad_(True)
+                        view.grad = loaded.grads[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)
+                    leaves[key] = view
+                named[ref.name] = leaves[key]
+            loaded.tensors[i] = named
+        return loaded.tensors
 
     def _unload(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev = self.device
@@ -196,21 +222,27 @@ class StageExecutor:
         if not stage.has_gradients:
             del self._loaded[key]  # the allocator frees it after the compute stream is done with it
             return
-        if action.is_first_part:
-            for g in self._trainable[stage.slot]:
-                grad = loaded.flats[g].grad
-                if grad is not None:
-                    loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
+        if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
+            overwrite = flight.overwrite[key]
+            for g, grad in loaded.grads.items():
+                host = self.store.groups[g].grad
+                assert host is not None
+                if g in overwrite:  # first write since cleared: straight into the host gradient
+                    with dev.on(dev.grad_down):
+                        source = grad if grad.dtype == host.dtype else grad.to(host.dtype)
+                    loaded.downloads[g] = (source, host)
+                else:
+                    loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
+                    loaded.downloads[g] = (grad, loaded.staging[g])
         for g, start, stop in self._parts(stage.slot, "G", action.parts)[action.part]:
-            if g in loaded.staging:
-                src = loaded.flats[g].grad
-                assert src is not None
-                dev.copy_down(loaded.staging[g][start:stop], src[start:stop], dev.grad_down)
+            if g in loaded.downloads:
+                source, destination = loaded.downloads[g]
+                dev.copy_down(destination[start:stop], source[start:stop], dev.grad_down)
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
-            for g in loaded.staging:
-                dev.keep_alive(loaded.flats[g].grad, dev.grad_down)  # type: ignore[arg-type]
+            for source, _ in loaded.downloads.values():
+                dev.keep_alive(source, dev.grad_down)
             waits, done = flight.grad_order[key]
             self.collector.submit(GradJob(loaded.staging, copied, waits, done))
             self._collecting.append(done)
@@ -219,14 +251,23 @@ class StageExecutor:
             del self._loaded[key]
 
     # ------------------------------------------------------------------ compute
-    def _layer(self, index: int, weights: dict[int, Tensor], x: Any, flight: Flight, microbatch: int) -> Any:
-        tensors = {
-            ref.name: weights[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)
-            for ref in self.store.layer_tensors[index]
-        }
+    def _layer(self, index: int, tensors: dict[int, dict[str, Tensor]], x: Any, flight: Flight, microbatch: int) -> Any:
+        """Run layer ``index`` of this worker's replicas on the slot's device tensors.
+
+        The tensors are put into the replica's parameter and buffer slots for the call and the meta
+        placeholders put back after (what ``functional_call`` does, without its per-call overhead).
+        """
         seed = layer_seed(self.base_seed, flight.call, microbatch, index)
-        with self.device.seeded(seed), self.device.autocast(self.autocast_dtype):
-            return functional_call(self.replicas[index], tensors, (x,))
+        named = tensors[index]
+        slots = self._slots_of[index]
+        for name, table, attr, _ in slots:
+            table[attr] = named[name]
+        try:
+            with self.device.seeded(seed), self.device.autocast(self.autocast_dtype):
+                return self.replicas[index](x)
+        finally:
+            for _, table, attr, placeholder in slots:
+                table[attr] = placeholder
 
     def _take(self, flight: Flight, key: tuple[str, int, int]) -> tuple[Any, Any] | None:
         """Upload a mailbox's value to this device; ``None`` if it holds no value (a zero gradient)."""
@@ -314,6 +355,7 @@ class StageExecutor:
                     roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
             if roots:
                 torch.autograd.backward(roots, root_grads)
+                self._loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
         if fused:
             flight.losses[m] = dev.download(weighted, done)
@@ -322,6 +364,18 @@ class StageExecutor:
             has_any = any(g is not None for g in grads)
             flight.put(("grad", stage.start, m), dev.download(grads, done) if has_any else None)
         self._finish((action.round, action.slot), done)
+
+
+def _tensor_slots(replica: nn.Module, refs: Sequence[Any]) -> list[tuple[str, dict[str, Any], str, Any]]:
+    """Where each named tensor of a layer lives in its replica: (name, the owning module's parameter or
+    buffer table, attribute, meta placeholder)."""
+    slots = []
+    for ref in refs:
+        owner_name, _, attr = ref.name.rpartition(".")
+        owner = replica.get_submodule(owner_name)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        slots.append((ref.name, table, attr, table[attr]))
+    return slots
 
 
 def _differentiable(t: Any) -> bool:

@@ -49,6 +49,7 @@ class Flight:
         pool: HostPool,
         grad_chain: dict[int, Gate],
         groups_of_slot: Callable[[int], tuple[int, ...]],
+        zero_grads: set[int],
     ) -> None:
         self.call = call
         self.schedule = schedule
@@ -64,6 +65,9 @@ class Flight:
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
         self.grad_order: dict[tuple[int, int], tuple[list[Gate], Gate]] = {}
+        self.overwrite: dict[tuple[int, int], frozenset[int]] = {}
+        """Per slot, the groups it is the first to write since the host gradients were cleared: their
+        gradients are copied straight into the host buffer instead of added to it."""
         for rnd in range(schedule.num_rounds):
             for stage in schedule.plan.stages():
                 if stage.kind is StageKind.FORWARD:
@@ -72,6 +76,8 @@ class Flight:
                 done = self.gate()
                 waits = [grad_chain[g] for g in groups if g in grad_chain]
                 self.grad_order[(rnd, stage.slot)] = (waits, done)
+                self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in zero_grads)
+                zero_grads.difference_update(groups)
                 for g in groups:
                     grad_chain[g] = done
 

@@ -69,6 +69,8 @@ class HostStore:
         self.layer_tensors: list[tuple[TensorRef, ...]] = []
         self._layer_groups: list[tuple[int, ...]] = []
         self.parameters: list[nn.Parameter] = []
+        self.zero_grads: set[int] = set()
+        """Trainable groups whose host gradient is all zeros (nothing written since the last clear)."""
         pending: dict[tuple[int, torch.dtype, str], list[Tensor]] = {}
         named: list[list[tuple[str, Tensor]]] = []
         seen: set[int] = set()
@@ -88,6 +90,7 @@ class HostStore:
         placed: dict[int, TensorRef] = {}
         for (layer_index, dtype, kind), tensors in pending.items():
             placed.update(self._pack(layer_index, dtype, kind, tensors))
+        self.zero_grads = {g.index for g in self.groups if g.trainable}
         for tensors in named:
             refs = tuple(
                 TensorRef(name, placed[id(t)].group, placed[id(t)].offset, placed[id(t)].shape) for name, t in tensors
@@ -167,7 +170,8 @@ class HostStore:
     def clear_grads(self) -> None:
         """Zero the host gradients after they were used, and detach them from the parameters."""
         for g in self.groups:
-            if g.grad is not None:
+            if g.grad is not None and g.index not in self.zero_grads:
                 g.grad.zero_()
             for p, _ in g.params:
                 p.grad = None
+        self.zero_grads = {g.index for g in self.groups if g.trainable}
