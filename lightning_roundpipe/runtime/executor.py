@@ -182,7 +182,7 @@ class StageExecutor:
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
 
-    def _weights_for_compute(self, stage: Stage, action: Action) -> dict[int, dict[str, Tensor]]:
+    def _slot_tensors(self, stage: Stage, action: Action) -> dict[int, dict[str, Tensor]]:
         """The slot's named device tensors per layer, with the compute stream ordered after their upload.
 
         Built once per slot. In stages with gradients every trainable parameter is its own leaf
@@ -292,7 +292,7 @@ class StageExecutor:
         assert taken is not None
         x, ready = taken
         with dev.on(dev.compute), torch.no_grad():
-            weights = self._weights_for_compute(stage, action)
+            weights = self._slot_tensors(stage, action)
             dev.wait(dev.compute, ready)
             for i in stage.layers:
                 if i in self._saved and i != stage.start:
@@ -323,7 +323,7 @@ class StageExecutor:
                 flight.put(("grad", stage.start, m), None)
             return
         with dev.on(dev.compute):
-            weights = self._weights_for_compute(stage, action)
+            weights = self._slot_tensors(stage, action)
             for event in (x_ready, grads_in and grads_in[1], target and target[1]):
                 dev.wait(dev.compute, event)
             leaves, spec = tree_flatten(x)
