@@ -20,6 +20,7 @@ from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
 from lightning_roundpipe.runtime.engine import PipelineEngine
 from lightning_roundpipe.runtime.microbatch import Reduction
+from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
@@ -27,6 +28,9 @@ pl = lightning_package(globals())
 _precision = sibling("precision", globals())
 _ParallelStrategy = pl.strategies.ParallelStrategy
 _TrainerFn = pl.trainer.states.TrainerFn
+_call = pl.trainer.call
+_is_overridden = pl.utilities.model_helpers.is_overridden
+rank_zero_warn = pl.utilities.rank_zero_warn
 
 
 class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
@@ -45,6 +49,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         overlap: how weight uploads and gradient downloads overlap compute: ``"priority"`` (cut
             into parts issued between activation copies; the default), ``"simple"`` (one piece,
             prefetched a stage ahead) or ``"none"`` (no overlap; for comparison).
+        async_optimizer: apply each optimizer step on a host thread while the devices compute the
+            next one, with gradients exactly one step stale (the default, and the fast mode).
+            ``False`` gives the numerics of plain training. In the asynchronous mode gradient
+            clipping (``Trainer(gradient_clip_val=...)``) runs on the optimizer thread, the LR and
+            other hyper-parameters are those in effect when the step is submitted, and ``p.grad``
+            is not available in ``on_after_backward`` / ``on_before_optimizer_step``.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
             strategy; normally filled in by the Trainer from ``accelerator=``, ``devices=`` and
             ``precision=``.
@@ -58,6 +68,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         num_rounds: int = 1,
         plan: StagePlan | str | None = None,
         overlap: Overlap = "priority",
+        async_optimizer: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -76,6 +87,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         if overlap not in OVERLAPS:
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
+        self.async_optimizer = async_optimizer
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
         self.plan = StagePlan.parse(plan) if isinstance(plan, str) else plan
@@ -192,6 +204,21 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     def _setup_engine(self) -> None:
         sequential = find_pipelined_module(self.lightning_module)
+        if self.async_optimizer:
+            if self.precision_plugin.precision == "16-mixed":
+                raise ValueError(
+                    "precision='16-mixed' with the asynchronous optimizer is not supported yet: loss scaling needs"
+                    " the step's overflow check before the next step starts. Use precision='bf16-mixed', or"
+                    " RoundPipeStrategy(async_optimizer=False)."
+                )
+            hooks = ("on_after_backward", "on_before_optimizer_step")
+            overridden = [h for h in hooks if _is_overridden(h, self.lightning_module)]
+            if overridden:
+                rank_zero_warn(
+                    f"{type(self.lightning_module).__name__} overrides {overridden}; with"
+                    " RoundPipeStrategy(async_optimizer=True) gradients are applied on a host thread one step later"
+                    " and `p.grad` is None in these hooks. Use async_optimizer=False to inspect gradients there."
+                )
         devices: list[WorkerDevice] = []
         for index, device in enumerate(self.worker_devices):
             if device.type == "cuda":
@@ -212,6 +239,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             overlap=self.overlap,
             compute_dtype=self.precision_plugin.compute_dtype,
             autocast_dtype=self.precision_plugin.compute_dtype,
+            asynchronous=self.async_optimizer,
         )
         self._pipelined = sequential
         api.register_runner(sequential, self._run_pipeline)
@@ -279,16 +307,63 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 " inside `loss_fn`."
             )
         self._step_loss = None
-        self.engine.store.install_grads()
+        if not self.async_optimizer:
+            self.engine.store.install_grads()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.engine is not None
-        self.engine.store.clear_grads()
-        self.engine.store.mark_dirty()  # the next batch uploads the updated weights
-        return output
+        if not self.async_optimizer:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self.engine.store.clear_grads()
+            self.engine.store.mark_dirty()  # the next batch uploads the updated weights
+            return output
+        closure_result = closure()  # training_step, with the pipelined forward and backward
+        trainer = self.lightning_module.trainer
+        _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if closure_result is None:
+            return None
+        spec = UpdateSpec.capture(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        self.engine.submit_step(spec)  # clipping and the update happen on the optimizer thread
+        spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
+        return closure_result
+
+    def _flush(self) -> None:
+        """Let the pending update reach the master weights (before they are read or saved)."""
+        if self.engine is not None:
+            self.engine.flush()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._flush()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self._flush()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def on_train_end(self) -> None:
+        self._flush()
+        super().on_train_end()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._flush()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._flush()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._flush()
+        super().on_predict_start()
 
     @classmethod
     @override

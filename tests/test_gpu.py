@@ -139,6 +139,33 @@ def test_gpu_worker_failure_reaches_main_thread():
 
 def test_lightning_on_gpu_matches_cpu():
     cpu = fit(BoringPipeline, {"accelerator": "cpu", "devices": 1})
-    gpu = fit(BoringPipeline, {"accelerator": "gpu", "devices": 1, "strategy": RoundPipeStrategy(num_microbatches=3)})
+    gpu = fit(
+        BoringPipeline,
+        {"accelerator": "gpu", "devices": 1, "strategy": RoundPipeStrategy(num_microbatches=3, async_optimizer=False)},
+    )
     assert gpu.model[0].weight.device.type == "cpu"  # the model stays on the host
     assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_async_optimizer_on_gpu_equals_staleness_one_reference():
+    from test_async import staleness_one_reference
+
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    model = mlp()
+    g = torch.Generator().manual_seed(3)
+    data = [[(torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g))] for _ in range(5)]
+    want = staleness_one_reference(model, data)
+    ours = copy.deepcopy(model)
+    devices = [CudaWorkerDevice("cuda:0", i) for i in range(2)]
+    engine = PipelineEngine(list(ours.children()), devices, microbatches_per_round=3, asynchronous=True)
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
+    try:
+        for [(x, y)] in data:
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    assert relative_error(flat_weights(ours), want) <= 1e-4

@@ -43,7 +43,7 @@ def test_compute_copies_follow_the_masters():
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_trains_close_to_fp32(precision):
     plain = fit(BoringPipeline, {**CPU, "devices": 1})
-    strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision(precision))
+    strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision(precision), async_optimizer=False)
     ours = fit(BoringPipeline, {**CPU, "devices": 2, "strategy": strategy})
     assert all(p.dtype == torch.float32 for p in ours.parameters())
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 3e-2
@@ -91,7 +91,7 @@ def test_fp16_non_finite_gradients_skip_the_step_and_lower_the_scale():
     recorder = Recorder()
     _SPIKE.update(at_call=2, calls=0)
     try:
-        strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"))
+        strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"), async_optimizer=False)
         fit(WithSpike, {**CPU, "devices": 2, "strategy": strategy, "callbacks": [recorder]})
     finally:
         _SPIKE.update(at_call=-1, calls=0)
@@ -101,6 +101,12 @@ def test_fp16_non_finite_gradients_skip_the_step_and_lower_the_scale():
     assert torch.equal(weights[2], weights[1])  # the step with infinite gradients was skipped
     assert not torch.equal(weights[3], weights[2])  # training goes on
     assert all(torch.isfinite(w).all() for w in weights)
+
+
+def test_sixteen_mixed_with_the_asynchronous_optimizer_is_refused():
+    strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"))
+    with pytest.raises(ValueError, match=r"16-mixed' with the asynchronous optimizer.*async_optimizer=False"):
+        fit(BoringPipeline, {**CPU, "devices": 2, "strategy": strategy})
 
 
 def test_sixteen_mixed_from_the_trainer_flag_on_cpu_becomes_bf16():

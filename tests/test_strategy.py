@@ -16,6 +16,7 @@ import lightning_roundpipe
 from lightning_roundpipe import RoundPipeStrategy, StagePlan
 
 CPU = {"accelerator": "cpu"}
+SYNC = partial(RoundPipeStrategy, async_optimizer=False)  # the numerics of plain training
 
 
 def test_registered_under_its_name_and_reimport_is_harmless():
@@ -31,15 +32,15 @@ def test_registered_under_its_name_and_reimport_is_harmless():
 @pytest.mark.parametrize(
     ("strategy", "devices", "extra"),
     [
-        ("roundpipe", 1, {}),
-        ("roundpipe", 2, {}),
-        (partial(RoundPipeStrategy, num_microbatches=4), 3, {}),
+        (SYNC, 1, {}),
+        (SYNC, 2, {}),
+        (partial(SYNC, num_microbatches=4), 3, {}),
         # forward and backward partitions differ; 2 rounds per batch
-        (partial(RoundPipeStrategy, num_microbatches=3, num_rounds=2, plan="3,2,2|2,1,3,3"), 3, {}),
-        (partial(RoundPipeStrategy, num_microbatches=3, plan=StagePlan.parse("1,1,1,1,1,1|3,3,3")), 2,
+        (partial(SYNC, num_microbatches=3, num_rounds=2, plan="3,2,2|2,1,3,3"), 3, {}),
+        (partial(SYNC, num_microbatches=3, plan=StagePlan.parse("1,1,1,1,1,1|3,3,3")), 2,
          {"accumulate_grad_batches": 2}),
-        ("roundpipe", 2, {"gradient_clip_val": 0.05}),
-        ("roundpipe", 3, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value", "accumulate_grad_batches": 3}),
+        (SYNC, 2, {"gradient_clip_val": 0.05}),
+        (SYNC, 3, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value", "accumulate_grad_batches": 3}),
     ],
 )  # fmt: skip
 def test_weights_equal_plain_training(strategy, devices, extra):
@@ -59,7 +60,7 @@ def test_weights_equal_plain_training(strategy, devices, extra):
 def test_fused_adamw_and_step_lr_scheduler():
     factory = partial(BoringPipeline, fused=True, scheduler=True)
     plain = fit(factory, {**CPU, "devices": 1, "max_epochs": 2})
-    ours = fit(factory, {**CPU, "devices": 2, "strategy": "roundpipe", "max_epochs": 2})
+    ours = fit(factory, {**CPU, "devices": 2, "strategy": SYNC(), "max_epochs": 2})
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
 
 
@@ -91,7 +92,7 @@ def test_validation_runs_and_logs_under_roundpipe():
 
 def test_bf16_mixed_trains_close_to_fp32():
     plain = fit(BoringPipeline, {**CPU, "devices": 1})
-    ours = fit(BoringPipeline, {**CPU, "devices": 2, "strategy": "roundpipe", "precision": "bf16-mixed"})
+    ours = fit(BoringPipeline, {**CPU, "devices": 2, "strategy": SYNC(), "precision": "bf16-mixed"})
     assert all(p.dtype == torch.float32 for p in ours.parameters())
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 2e-2
 
@@ -183,7 +184,7 @@ def test_worker_failure_stops_fit_and_a_new_fit_works():
         _EXPLODE.update(after=-1, calls=0)
     assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-worker")]
     plain = fit(Failing, {**CPU, "devices": 1})
-    ours = fit(Failing, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    ours = fit(Failing, {**CPU, "devices": 2, "strategy": SYNC()})
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
 
 
@@ -201,11 +202,13 @@ def test_pytorch_lightning_twin():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    twin = pl.strategies.StrategyRegistry["roundpipe"]["strategy"]
+    assert issubclass(twin, pl.strategies.Strategy)
     results = []
-    for strategy in ("auto", "roundpipe"):
+    for strategy in ("auto", twin(async_optimizer=False)):
         pl.seed_everything(0, verbose=False)
         module = PLModule()
-        pl.Trainer(strategy=strategy, devices=2 if strategy == "roundpipe" else 1, max_epochs=1, logger=False,
+        pl.Trainer(strategy=strategy, devices=1 if strategy == "auto" else 2, max_epochs=1, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False, **CPU).fit(module, boring_data())  # fmt: skip
         results.append(flat_weights(module))
     assert relative_error(results[1], results[0]) <= 1e-5

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -30,6 +30,8 @@ class GradJob:
     ready: Any
     waits: list[Gate]
     done: Gate
+    zero: list[int] = field(default_factory=list)
+    """Groups this slot was the first to write but no gradient reached: their host gradient is zeroed."""
 
 
 class GradCollector:
@@ -66,6 +68,10 @@ class GradCollector:
                 self.device.host_wait(job.ready)
                 for gate in job.waits:
                     gate.wait()
+                for g in job.zero:
+                    grad = self.store.groups[g].grad
+                    assert grad is not None
+                    grad.zero_()
                 for g, staged in job.staging.items():
                     grad = self.store.groups[g].grad
                     assert grad is not None

@@ -1,9 +1,15 @@
 """The pipeline engine: runs whole batches forward and backward through the round-robin schedule.
 
 It owns the host store, the host buffer pool, one executor, one worker thread and one gradient
-collector per device, and the dispatch position, which carries over from batch to batch. The engine
-has no schedule of its own: it builds the schedule from the plan with
-:mod:`lightning_roundpipe.schedule` and hands each worker its list.
+collector per device, the optional asynchronous optimizer, and the dispatch position, which carries
+over from batch to batch. The engine has no schedule of its own: it builds the schedule from the plan
+with :mod:`lightning_roundpipe.schedule` and hands each worker its list.
+
+Two modes. Synchronous: ``train_batch`` returns when the batch's gradients are on the host; the
+caller steps its optimizer and calls :meth:`HostStore.clear_grads`. Asynchronous: ``train_batch``
+returns as soon as the batch loss is known, the workers go straight on to the next batch (no drain),
+and :meth:`submit_step` hands the step to the host optimizer worker (see
+:mod:`~lightning_roundpipe.runtime.optimizer_worker` for the ordering protocol).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
-from lightning_roundpipe.runtime.workers import Gate, WorkerPool
+from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker, StepWindow, UpdateJob, UpdateSpec
+from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, WorkerPool
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
 
 
@@ -46,6 +53,7 @@ class PipelineEngine:
             global generator, so ``seed_everything`` makes runs repeatable.
         max_inflight: micro-batches a worker may have queued on its device beyond the one it is
             issuing; more smooths host hiccups, each costs one micro-batch of activations.
+        asynchronous: run the optimizer on a host thread with staleness one (see the module docstring).
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class PipelineEngine:
         overlap: Overlap = "priority",
         seed: int | None = None,
         max_inflight: int = 3,
+        asynchronous: bool = False,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -81,10 +90,11 @@ class PipelineEngine:
             raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
         self.num_rounds = num_rounds
         self.overlap = overlap
+        self.asynchronous = asynchronous
         self.layers = layers
         self.devices = list(devices)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
-        self.store = HostStore(layers, compute_dtype)
+        self.store = HostStore(layers, compute_dtype, separate_compute=asynchronous)
         for group in self.store.groups:
             self.pool.register(group.compute)
             if group.grad is not None:
@@ -94,10 +104,17 @@ class PipelineEngine:
         """Worker the next batch's first slot goes to."""
         self.calls = 0
         """Batches run so far; part of every layer's random seed."""
+        self.step = 0
+        """Optimizer step the next batch belongs to (asynchronous mode)."""
+        self.trace: list[tuple[Any, ...]] | None = None
         self._abort = threading.Event()
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
-        self._flight: Flight | None = None
+        self._failed = False
+        self._live: list[tuple[Flight, list[Task]]] = []
+        self._job_gates: list[Gate] = []
+        self._windows: dict[int, StepWindow] = {0: StepWindow(self._abort)}
+        self._cast_done: dict[int, dict[int, Gate]] = {}
         self._closed = False
         self._warned_empty = False
         self._collectors = []
@@ -120,12 +137,14 @@ class PipelineEngine:
                     max_inflight,
                 )
             )
+        self._trainable = tuple(g.index for g in self.store.groups if g.trainable)
         self._slot_grad_groups = {
             stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
             for stage in self.plan.stages()
         }
         self._schedules: dict[int, Schedule] = {}
         self._grad_chain: dict[int, Gate] = {}
+        self._optimizer = OptimizerWorker(self.store, self._on_worker_error) if asynchronous else None
         self._pool = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(self.num_workers)],
             [d.enter_thread for d in devices],
@@ -135,6 +154,15 @@ class PipelineEngine:
     @property
     def num_microbatches(self) -> int:
         return self.microbatches_per_round * self.num_rounds
+
+    def record_trace(self) -> list[tuple[Any, ...]]:
+        """Start recording when each action and each group update started (for tests and timelines)."""
+        self.trace = []
+        for executor in self._executors:
+            executor.trace = self.trace
+        if self._optimizer is not None:
+            self._optimizer.trace = self.trace
+        return self.trace
 
     def schedule(self, first_worker: int) -> Schedule:
         """The validated schedule of a batch starting at ``first_worker`` (there are N distinct ones)."""
@@ -147,6 +175,7 @@ class PipelineEngine:
             self._schedules[first_worker] = s
         return self._schedules[first_worker]
 
+    # ------------------------------------------------------------------ one batch
     def train_batch(
         self,
         inputs: Any,
@@ -157,8 +186,7 @@ class PipelineEngine:
     ) -> Tensor:
         """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
         store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch."""
-        if self._closed:
-            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
+        self._check_usable()
         how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
         mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction)
@@ -169,20 +197,33 @@ class PipelineEngine:
                 " and it adds no gradient. Plain PyTorch would give NaN here.",
                 stacklevel=2,
             )
-        self.store.sync_compute()
+        if not self.asynchronous:
+            self.store.sync_compute()
         schedule = self.schedule(self.dispatch_position)
         flight = Flight(
             self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
-            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__, self.store.zero_grads,
+            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__, self.store.fresh_grads,
+            upload_waits=self._cast_done.get(self.step - 2),
         )  # fmt: skip
         for m, x in enumerate(mb_inputs):
             flight.put(("act", 0, m), self.pool.stage(x))
         attributes = plain_attributes(self.layers)
-        self._flight = flight
-        tasks = [
-            self._pool.submit(w, partial(executor.run, schedule.workers[w], flight, attributes))
-            for w, executor in enumerate(self._executors)
-        ]
+        with self._error_lock:
+            self._live.append((flight, []))
+        tasks = self._live[-1][1]
+        for w, executor in enumerate(self._executors):
+            run = partial(executor.run, schedule.workers[w], flight, attributes, settle=not self.asynchronous)
+            tasks.append(self._pool.submit(w, run))
+        self.dispatch_position = schedule.next_first_worker
+        self.calls += 1
+        if self.asynchronous:
+            self._windows[self.step].flights.append(flight)
+            try:
+                loss = flight.wait_losses()
+            except PipelineAborted:
+                self._fail()
+            self._prune()
+            return loss
         try:
             for task in tasks:
                 task.done.wait()
@@ -193,14 +234,73 @@ class PipelineEngine:
             self._recover()
             raise
         finally:
-            self._flight = None
+            self._prune()
         if self._error is not None:
             error = self._error
             self._recover()
             raise error
-        self.dispatch_position = schedule.next_first_worker
-        self.calls += 1
         return flight.batch_loss()
+
+    # ------------------------------------------------------------------ asynchronous optimizer
+    def submit_step(self, spec: UpdateSpec) -> None:
+        """Hand the current step's update to the optimizer worker and start the next step."""
+        if self._optimizer is None:
+            raise RuntimeError("submit_step needs an engine built with asynchronous=True")
+        self._check_usable()
+        k = self.step
+        window = self._windows[k]
+        if not window.flights:
+            return  # no batch ran in this step: nothing to update
+        grads_complete = {g: self._grad_chain[g] for g in self._trainable if g in self._grad_chain}
+        order = tuple(sorted(grads_complete, key=lambda g: (-self.store.groups[g].layer, g)))  # deep first
+        consumed = {g: self._job_gate() for g in order}
+        cast_done = {g: self._job_gate() for g in order}
+        self._grad_chain.update(consumed)  # the next step's first gradient writes wait for these
+        self._cast_done[k] = cast_done
+        self._cast_done.pop(k - 3, None)
+        next_window = StepWindow(self._abort)
+        self._windows[k + 1] = next_window
+        self._windows.pop(k - 2, None)
+        window.closed.set()
+        self.store.fresh_grads = set(self._trainable)
+        self._optimizer.submit(UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window))
+        self.step += 1
+
+    def flush(self) -> None:
+        """Wait until every batch's gradients are collected and every submitted update reached the
+        masters (checkpoints, validation and teardown need this). Casts for the next step may remain."""
+        with self._error_lock:
+            live = list(self._live)
+        for _, tasks in live:
+            for task in tasks:
+                task.done.wait()
+        for collector in self._collectors:
+            collector.drain()
+        if self._optimizer is not None:
+            self._optimizer.wait_math()
+        self._prune()
+        if self._error is not None:
+            self._fail()
+
+    def _job_gate(self) -> Gate:
+        gate = Gate(self._abort)
+        self._job_gates.append(gate)
+        if len(self._job_gates) > 8 * len(self._trainable) + 64:  # keep only recent ones
+            self._job_gates = [g for g in self._job_gates if not g.is_set()]
+        return gate
+
+    # ------------------------------------------------------------------ failures
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
+        if self._failed:
+            raise RuntimeError("this roundpipe engine stopped after an error in a worker; set up a new one")
+        if self.asynchronous and self._error is not None:
+            self._fail()
+
+    def _prune(self) -> None:
+        with self._error_lock:
+            self._live = [(f, tasks) for f, tasks in self._live if not all(t.done.is_set() for t in tasks)]
 
     def transferred_bytes(self) -> tuple[int, int]:
         """Bytes copied host-to-device and device-to-host by all workers so far."""
@@ -211,27 +311,60 @@ class PipelineEngine:
             if self._error is None:
                 self._error = error
             self._abort.set()
-            if self._flight is not None:
-                self._flight.open_all_gates()
+            for flight, _ in self._live:
+                flight.open_all_gates()
+            for gate in self._job_gates:
+                gate.set()
+            for window in self._windows.values():
+                window.closed.set()
+
+    def _fail(self) -> None:
+        """Asynchronous mode: stop everything after an error and raise it; the engine is not reusable
+        (an update may have been cut short), but the process is not stuck and no thread keeps running."""
+        self._on_worker_error(RuntimeError("aborted"))
+        with self._error_lock:
+            live = list(self._live)
+        for _, tasks in live:
+            for task in tasks:
+                task.done.wait(timeout=30.0)
+        for collector in self._collectors:
+            collector.drain()
+        if self._optimizer is not None:
+            self._optimizer.wait_all(timeout=30.0)
+        self._failed = True
+        error = self._error
+        assert error is not None
+        raise error
 
     def _recover(self) -> None:
-        """After a failed batch, once every worker stopped: drop its partial gradients and be ready again.
-
-        Host weights are never written by workers, so they are intact.
-        """
+        """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
+        and be ready again. Host weights are never written by workers, so they are intact."""
         self._error = None
         self._grad_chain.clear()
         self.store.clear_grads()
         self._abort.clear()
 
     def close(self) -> None:
-        """Stop the worker and collector threads and unpin host memory; idempotent."""
+        """Finish pending updates, stop every thread and unpin host memory; idempotent."""
         if self._closed:
             return
-        self._closed = True
-        stuck = self._pool.close()
-        stuck += [f"roundpipe-collector-{i}" for i, c in enumerate(self._collectors) if not c.close()]
-        if stuck:
-            warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
-        else:
-            self.pool.close()
+        try:
+            if self.asynchronous and not self._failed and self._error is None:
+                self.flush()
+                self._windows[self.step].closed.set()  # no more batches: pending casts may proceed
+                if self._optimizer is not None:
+                    self._optimizer.wait_all(timeout=60.0)
+        finally:
+            self._closed = True
+            if self._optimizer is not None and not self._optimizer.wait_all(timeout=0):
+                self._on_worker_error(RuntimeError("closed"))
+            stuck = self._pool.close()
+            stuck += [f"roundpipe-collector-{i}" for i, c in enumerate(self._collectors) if not c.close()]
+            if self._optimizer is not None and not self._optimizer.close():
+                stuck.append("roundpipe-optimizer")
+            for device in self.devices:
+                device.synchronize()
+            if stuck:
+                warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
+            else:
+                self.pool.close()

@@ -15,6 +15,7 @@ micro-batches ahead of its device, which bounds device memory.
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,10 +110,15 @@ class StageExecutor:
         self._loaded: dict[tuple[int, int], _Loaded] = {}
         self._inflight: deque[Any] = deque()
         self._collecting: list[Gate] = []
+        self.trace: list[tuple[Any, ...]] | None = None
+        """When a list: (\"action\", worker, batch, action, start time) is appended for every action."""
 
     # ------------------------------------------------------------------ one batch
-    def run(self, actions: Sequence[Action], flight: Flight, attributes: list[list[dict[str, Any]]]) -> None:
-        """Run one batch's actions in order and wait until their effects landed on the host."""
+    def run(
+        self, actions: Sequence[Action], flight: Flight, attributes: list[list[dict[str, Any]]], settle: bool = True
+    ) -> None:
+        """Run one batch's actions in order; with ``settle``, also wait until their effects landed on the
+        host (the synchronous mode; the asynchronous one goes straight on to the next batch)."""
         for replica, layer_attributes in zip(self.replicas, attributes):
             for module, values in zip(replica.modules(), layer_attributes):
                 module.__dict__.update(values)
@@ -128,24 +134,30 @@ class StageExecutor:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
                     raise
-            for gate in self._collecting:
-                gate.wait()
+            if settle:
+                for gate in self._collecting:
+                    gate.wait()
         except PipelineAborted:
+            settle = True
             raise
         except BaseException as e:
+            settle = True
             self._on_error(e)  # abort the others now, before waiting for the collector below
             raise
         finally:
-            self.collector.drain()
-            self.device.synchronize()
+            if settle:
+                self.collector.drain()
+                self.device.synchronize()
+                self._inflight.clear()
             self._loaded.clear()
-            self._inflight.clear()
             self._collecting.clear()
 
     def _run(self, action: Action, flight: Flight) -> None:
         stage = self._stages[action.slot]
+        if self.trace is not None:
+            self.trace.append(("action", self.device.index, flight.call, str(action), time.perf_counter()))
         if action.op is Op.LOAD:
-            self._load(stage, action)
+            self._load(stage, action, flight)
         elif action.op is Op.UNLOAD:
             self._unload(stage, action, flight)
         elif action.op is Op.FORWARD:
@@ -164,10 +176,14 @@ class StageExecutor:
             self._pieces[key] = pack_parts(sizes, parts)
         return self._pieces[key]
 
-    def _load(self, stage: Stage, action: Action) -> None:
+    def _load(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev = self.device
         key = (action.round, action.slot)
         if action.is_first_part:
+            for g in self._trainable[stage.slot]:  # edge 2: the copy this step must read is in place
+                gate = flight.upload_waits.get(g)
+                if gate is not None:
+                    gate.wait()
             if self.overlap == "none":  # no prefetch: upload only once the device finished computing
                 dev.wait(dev.param_up, dev.record(dev.compute))
             self._loaded[key] = _Loaded(
@@ -181,6 +197,9 @@ class StageExecutor:
             dev.copy_up(loaded.flats[g][start:stop], self.store.groups[g].compute[start:stop], dev.param_up)
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
+            for g in self._trainable[stage.slot]:
+                if flight.last_upload.get(g) == key:  # edge 1: after this copy, the cast may overwrite
+                    flight.mark_uploaded(g, loaded.ready)
 
     def _slot_tensors(self, stage: Stage, action: Action) -> dict[int, dict[str, Tensor]]:
         """The slot's named device tensors per layer, with the compute stream ordered after their upload.
@@ -222,9 +241,13 @@ class StageExecutor:
         if not stage.has_gradients:
             del self._loaded[key]  # the allocator frees it after the compute stream is done with it
             return
+        waits, done = flight.grad_order[key]
+        overwrite = flight.overwrite[key]
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
-            overwrite = flight.overwrite[key]
+            if any(g in overwrite for g in loaded.grads):
+                for gate in waits:  # edge 4: the previous step's update has read the gradients
+                    gate.wait()
             for g, grad in loaded.grads.items():
                 host = self.store.groups[g].grad
                 assert host is not None
@@ -243,8 +266,8 @@ class StageExecutor:
             copied = dev.record(dev.grad_down)
             for source, _ in loaded.downloads.values():
                 dev.keep_alive(source, dev.grad_down)
-            waits, done = flight.grad_order[key]
-            self.collector.submit(GradJob(loaded.staging, copied, waits, done))
+            unwritten = [] if loaded.backward_ran else sorted(overwrite)  # no gradient reached them
+            self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten))
             self._collecting.append(done)
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)
@@ -316,7 +339,7 @@ class StageExecutor:
             target = dev.upload(flight.targets[m])
             flight.pool.release(flight.targets[m], [target[1]])
         if fused and flight.weights[m] == 0.0:
-            flight.losses[m] = Parcel(torch.zeros((), dtype=torch.float32))
+            flight.set_loss(m, Parcel(torch.zeros((), dtype=torch.float32)))
         if (fused and flight.weights[m] == 0.0) or (not fused and grads_in is None):
             # Nothing of this micro-batch reaches the loss: its gradients are zero.
             if stage.start > 0:
@@ -358,7 +381,7 @@ class StageExecutor:
                 self._loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
         if fused:
-            flight.losses[m] = dev.download(weighted, done)
+            flight.set_loss(m, dev.download(weighted, done))
         if stage.start > 0:
             grads = [t.grad if isinstance(t, Tensor) and t.requires_grad else None for t in leaves]
             has_any = any(g is not None for g in grads)

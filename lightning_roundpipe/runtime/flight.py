@@ -49,7 +49,8 @@ class Flight:
         pool: HostPool,
         grad_chain: dict[int, Gate],
         groups_of_slot: Callable[[int], tuple[int, ...]],
-        zero_grads: set[int],
+        fresh_grads: set[int],
+        upload_waits: dict[int, Gate] | None = None,
     ) -> None:
         self.call = call
         self.schedule = schedule
@@ -61,6 +62,9 @@ class Flight:
         self.pool = pool
         self.losses: list[Parcel | None] = [None] * len(targets)
         self._gates: list[Gate] = []
+        self.loss_ready = [self.gate() for _ in targets]
+        self.upload_waits = upload_waits or {}
+        """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
@@ -76,10 +80,17 @@ class Flight:
                 done = self.gate()
                 waits = [grad_chain[g] for g in groups if g in grad_chain]
                 self.grad_order[(rnd, stage.slot)] = (waits, done)
-                self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in zero_grads)
-                zero_grads.difference_update(groups)
+                self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in fresh_grads)
+                fresh_grads.difference_update(groups)
                 for g in groups:
                     grad_chain[g] = done
+        self.last_upload: dict[int, tuple[int, int]] = {}
+        """Per trainable group, the (round, slot) of its last upload in this flight."""
+        for rnd in range(schedule.num_rounds):
+            for stage in schedule.plan.stages():
+                for g in groups_of_slot(stage.slot):
+                    self.last_upload[g] = (rnd, stage.slot)
+        self._uploaded = {g: (self.gate(), []) for g in self.last_upload}
 
     def gate(self) -> Gate:
         """A gate that an abort of this flight opens."""
@@ -115,6 +126,35 @@ class Flight:
             box.value, box.events = None, []
         if parcel is not None:
             self.pool.release(parcel, events)
+
+    def mark_uploaded(self, group: int, event: Any) -> None:
+        """This flight's last upload of ``group`` was issued; it is done once ``event`` completes (edge 1)."""
+        gate, events = self._uploaded[group]
+        events.append(event)
+        gate.set()
+
+    def wait_uploaded(self, group: int) -> None:
+        """Wait until this flight no longer reads ``group``'s compute copy (or never will)."""
+        if group not in self._uploaded:
+            return
+        gate, events = self._uploaded[group]
+        gate.wait()
+        for event in events:
+            if event is not None:
+                event.synchronize()
+
+    def set_loss(self, microbatch: int, parcel: Parcel) -> None:
+        self.losses[microbatch] = parcel
+        self.loss_ready[microbatch].set()
+
+    def wait_losses(self) -> Tensor:
+        """The batch loss, as soon as every micro-batch's loss is on the host."""
+        for gate in self.loss_ready:
+            gate.wait()
+        for parcel in self.losses:
+            if parcel is not None and parcel.ready is not None:
+                parcel.ready.synchronize()
+        return self.batch_loss()
 
     def open_all_gates(self) -> None:
         """After an abort: wake every thread waiting on this flight."""

@@ -62,15 +62,20 @@ class FlatGroup:
 class HostStore:
     """Master weights and gradients of a layer sequence, in flat host buffers."""
 
-    def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None, separate_compute: bool = False
+    ) -> None:
         self.num_layers = len(layers)
         self.compute_dtype = compute_dtype
+        self.separate_compute = separate_compute
+        """Give trainable groups their own compute copy even when no cast is needed (the asynchronous
+        optimizer updates the masters while workers still read the previous weights)."""
         self.groups: list[FlatGroup] = []
         self.layer_tensors: list[tuple[TensorRef, ...]] = []
         self._layer_groups: list[tuple[int, ...]] = []
         self.parameters: list[nn.Parameter] = []
-        self.zero_grads: set[int] = set()
-        """Trainable groups whose host gradient is all zeros (nothing written since the last clear)."""
+        self.fresh_grads: set[int] = set()
+        """Trainable groups not written since the last clear: their next write overwrites."""
         pending: dict[tuple[int, torch.dtype, str], list[Tensor]] = {}
         named: list[list[tuple[str, Tensor]]] = []
         seen: set[int] = set()
@@ -90,7 +95,7 @@ class HostStore:
         placed: dict[int, TensorRef] = {}
         for (layer_index, dtype, kind), tensors in pending.items():
             placed.update(self._pack(layer_index, dtype, kind, tensors))
-        self.zero_grads = {g.index for g in self.groups if g.trainable}
+        self.fresh_grads = {g.index for g in self.groups if g.trainable}
         for tensors in named:
             refs = tuple(
                 TensorRef(name, placed[id(t)].group, placed[id(t)].offset, placed[id(t)].shape) for name, t in tensors
@@ -104,7 +109,9 @@ class HostStore:
         total = sum(t.numel() for t in tensors)
         data = torch.empty(total, dtype=dtype)
         cast = kind != "buffer" and self.compute_dtype is not None and dtype.is_floating_point
-        compute = torch.empty(total, dtype=self.compute_dtype) if cast and self.compute_dtype != dtype else data
+        compute_dtype = self.compute_dtype if cast else dtype
+        separate = (cast and compute_dtype != dtype) or (self.separate_compute and kind == "trainable")
+        compute = torch.empty(total, dtype=compute_dtype) if separate else data
         grad = torch.zeros_like(data) if kind == "trainable" else None
         group = FlatGroup(len(self.groups), layer, kind, data, compute, grad)
         self.groups.append(group)
@@ -122,6 +129,10 @@ class HostStore:
             offset += n
         self._refresh(group)
         return refs
+
+    def refresh_group(self, index: int) -> None:
+        """Copy one group's master into its compute copy (the asynchronous optimizer's per-layer cast)."""
+        self._refresh(self.groups[index])
 
     def _refresh(self, group: FlatGroup) -> None:
         if group.compute is not group.data:
@@ -168,10 +179,9 @@ class HostStore:
                 p.grad = g.grad[offset : offset + p.numel()].view(p.shape)  # type: ignore[index]
 
     def clear_grads(self) -> None:
-        """Zero the host gradients after they were used, and detach them from the parameters."""
+        """Start a new accumulation: the next write to each gradient group overwrites it (stale values are
+        never read: a group no gradient reaches is zeroed by its first writer), and ``p.grad`` is unset."""
         for g in self.groups:
-            if g.grad is not None and g.index not in self.zero_grads:
-                g.grad.zero_()
             for p, _ in g.params:
                 p.grad = None
-        self.zero_grads = {g.index for g in self.groups if g.trainable}
+        self.fresh_grads = {g.index for g in self.groups if g.trainable}

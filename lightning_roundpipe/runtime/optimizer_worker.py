@@ -1,0 +1,210 @@
+"""The asynchronous host optimizer: applies update k on the host while the workers compute step k+1.
+
+Staleness is exactly one step: every upload of a group during step k reads the compute copy of the
+masters after updates ``0..k-2``. Ordering is per flat group (a slice of one layer), never a global
+barrier, by five edges (paper section 4.3):
+
+1. the cast of update k into a group's compute copy waits for step k+1's last upload of that group;
+2. step k+2's first upload of the group waits for that cast;
+3. update k's math on a group waits for step k's last gradient write to it;
+4. step k+1's first gradient write to the group waits for update k's math on it (the gradients were
+   read): one fp32 gradient buffer serves both;
+5. updates run in submission order, on one thread.
+
+The user's optimizer is driven through a *shadow*: the same class and per-parameter state dicts, but
+its own parameter objects (sharing storage with the real ones) and its own ``param_groups`` loaded
+from the hyper-parameters captured at submission. So Lightning's ``zero_grad`` and LR schedulers on
+the main thread never race the worker; checkpoints read the real optimizer's (shared) state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
+
+
+@dataclass
+class UpdateSpec:
+    """What the strategy captures on the main thread when it submits a step."""
+
+    optimizer: torch.optim.Optimizer
+    hyperparameters: list[dict[str, Any]]
+    """Per parameter group, everything but ``params`` (LR and friends as of submission)."""
+    clip_value: float | None = None
+    clip_algorithm: str = "norm"
+
+    @classmethod
+    def capture(cls, optimizer: Any, clip_value: float | None = None, clip_algorithm: str = "norm") -> UpdateSpec:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return cls(optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"))
+
+
+class StepWindow:
+    """The flights of one optimizer step, known completely once the window is closed."""
+
+    def __init__(self, abort: threading.Event) -> None:
+        self.flights: list[Any] = []
+        self.closed = Gate(abort)
+
+
+@dataclass
+class UpdateJob:
+    step: int
+    spec: UpdateSpec
+    groups: tuple[int, ...]
+    """Trainable groups in update order (deep layers first: the order the next backward needs them)."""
+    grads_complete: dict[int, Gate]
+    consumed: dict[int, Gate]
+    cast_done: dict[int, Gate]
+    next_window: StepWindow
+    math_done: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class OptimizerWorker:
+    """One thread applying submitted updates in order."""
+
+    def __init__(
+        self, store: HostStore, on_error: Callable[[BaseException], None], trace: list[tuple[Any, ...]] | None = None
+    ) -> None:
+        self.store = store
+        self.trace = trace
+        self._on_error = on_error
+        self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
+        self._last: UpdateJob | None = None
+        self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
+        self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: UpdateJob) -> None:
+        self._last = job
+        self._jobs.put(job)
+
+    def wait_math(self) -> None:
+        """Wait until every submitted update changed the masters (casts may still be pending)."""
+        if self._last is not None:
+            self._last.math_done.wait()
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job finished, casts included."""
+        return self._last is None or self._last.finished.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except PipelineAborted:
+                pass
+            except BaseException as e:
+                self._on_error(e)
+            finally:
+                job.math_done.set()
+                job.finished.set()
+
+    # ------------------------------------------------------------------ one update
+    def _run(self, job: UpdateJob) -> None:
+        shadow, shadows_of = self._shadow(job.spec.optimizer)
+        for group, hyper in zip(shadow.param_groups, job.spec.hyperparameters):
+            group.update(hyper)
+        coefficient = 1.0
+        if job.spec.clip_value is not None and job.spec.clip_algorithm == "norm":
+            for g in job.groups:  # the global norm needs every gradient of the step
+                job.grads_complete[g].wait()
+            total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
+            coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
+        for g in job.groups:
+            job.grads_complete[g].wait()
+            start = time.perf_counter()
+            grad = self._grad(g)
+            if job.spec.clip_value is not None and job.spec.clip_algorithm == "value":
+                grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
+            elif coefficient < 1.0:
+                grad.mul_(coefficient)
+            self._step_group(shadow, shadows_of, g)
+            job.consumed[g].set()
+            if self.trace is not None:
+                self.trace.append(("update", job.step, g, start, time.perf_counter()))
+        job.math_done.set()
+        job.next_window.closed.wait()
+        for g in job.groups:
+            for flight in job.next_window.flights:
+                flight.wait_uploaded(g)
+            self.store.refresh_group(g)
+            job.cast_done[g].set()
+            if self.trace is not None:
+                self.trace.append(("cast", job.step, g, time.perf_counter()))
+
+    def _grad(self, g: int) -> torch.Tensor:
+        grad = self.store.groups[g].grad
+        assert grad is not None
+        return grad
+
+    def _step_group(self, shadow: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], g: int) -> None:
+        """Step only this group's parameters: the shadow skips parameters whose gradient is ``None``."""
+        group = self.store.groups[g]
+        grad = self._grad(g)
+        stepped = []
+        for p, offset in group.params:
+            sp = shadows_of.get(id(p))
+            if sp is not None:
+                sp.grad = grad[offset : offset + p.numel()].view(p.shape)
+                stepped.append(sp)
+        if stepped:
+            shadow.step()
+        for sp in stepped:
+            sp.grad = None
+
+    def _shadow(self, optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
+        # rebuilt if the optimizer's state was replaced (load_state_dict) or groups were added
+        key = (id(optimizer), id(optimizer.state), len(optimizer.param_groups))
+        if key not in self._shadows:
+            self._shadows = {key: shadow_optimizer(optimizer)}
+        return self._shadows[key]
+
+
+def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
+    """A copy of ``optimizer`` over new parameter objects that share storage and per-parameter state.
+
+    Returns the shadow and a map from ``id(real parameter)`` to its shadow parameter.
+    """
+    shadow = copy.copy(optimizer)
+    # An LR scheduler wraps ``optimizer.step`` in an instance attribute bound to the real optimizer:
+    # the shadow must call its class's own step.
+    shadow.__dict__.pop("step", None)
+    shadows_of: dict[int, nn.Parameter] = {}
+    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if id(p) not in shadows_of:
+                sp = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                shadows_of[id(p)] = sp
+                state[sp] = optimizer.state[p]  # the same dict: state written here is the real optimizer's
+            params.append(shadows_of[id(p)])
+        groups.append({**group, "params": params})
+    shadow.param_groups = groups
+    shadow.state = state
+    return shadow, shadows_of
