@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _driver import run_configs, write
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
 
@@ -276,24 +275,11 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
 
-    results = []
-    for config in args.configs.split(","):
-        shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out") and v is not None}
-        cmd = [sys.executable, __file__, "--run", config]
-        for key, value in shared.items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            results.append({"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode})
-            print(f"{config}: FAILED ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-            continue
-        result = json.loads(lines[-1][len("RESULT ") :])
-        result["wall_s"] = time.perf_counter() - t0
-        results.append(result)
-        print(f"{config}: {result['tokens_per_s']:.0f} tokens/s, peak GPU {result['peak_gpu_gib']:.1f} GiB", flush=True)
-        result["config"] = config
+    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
+    results = run_configs(__file__, args.configs.split(","), shared)
+    for r in results:
+        if "error" not in r:
+            print(f"{r['config']}: {r['tokens_per_s']:.0f} tokens/s, peak GPU {r['peak_gpu_gib']:.1f} GiB")
 
     plain = next((r for r in results if r.get("config") == "plain" and "error" not in r), None)
     for r in results:
@@ -313,15 +299,7 @@ def main() -> None:
             f" {r['peak_gpu_gib']:8.2f} {mem:9.3f} {r.get('h2d_gb_s', 0):8.1f} {r.get('d2h_gb_s', 0):8.1f}"
             f" {r.get('host_bytes_per_param', r.get('store_bytes_per_param', 0)):8.1f}"
         )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__,
-        }
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    write(args.out, sys.argv[1:], __file__, results)
 
 
 if __name__ == "__main__":

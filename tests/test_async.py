@@ -253,3 +253,12 @@ def test_shadow_steps_itself_even_when_a_scheduler_wrapped_the_real_step():
     shadow.step()
     assert torch.allclose(p.detach(), torch.full((2,), 0.9))  # the real parameter moved
     assert "momentum_buffer" in opt.state[p]  # and the real optimizer holds the state
+
+
+@pytest.mark.timeout(60)
+def test_blocking_copy_variant_has_the_same_numerics():
+    model = mlp()
+    data = batches(5)
+    layerwise, _ = run_async(copy.deepcopy(model), data, 2, microbatches_per_round=3)
+    barrier, _ = run_async(copy.deepcopy(model), data, 2, microbatches_per_round=3, consistency="barrier")
+    assert torch.equal(layerwise, barrier)

@@ -369,3 +369,23 @@ def test_engine_runs_each_slot_on_the_round_robin_worker_across_rounds_and_steps
         for r, slots in enumerate(rounds):
             assert [workers[(b, r, s)] for s in range(5)] == slots, f"batch {b} round {r}"
     assert engine.dispatch_position == 0  # 3 batches x 10 slots = 30 = 0 mod 3
+
+
+def test_gradient_dtype_conversion_in_small_chunks_gives_the_same_result(monkeypatch):
+    """bf16 device gradients go into the fp32 host buffer in bounded chunks; chunk size must not matter."""
+    from lightning_roundpipe.runtime.executor import StageExecutor
+
+    results = []
+    for chunk in (1 << 24, 7):
+        monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", chunk)
+        model = mlp()
+        engine = engine_for(
+            model, 2, microbatches_per_round=2, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16
+        )
+        try:
+            engine.train_batch(*batch(8), F.mse_loss)
+            results.append(engine_grads(engine))
+        finally:
+            engine.close()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -54,6 +54,9 @@ class PipelineEngine:
         max_inflight: micro-batches a worker may have queued on its device beyond the one it is
             issuing; more smooths host hiccups, each costs one micro-batch of activations.
         asynchronous: run the optimizer on a host thread with staleness one (see the module docstring).
+        consistency: ``"layerwise"`` (per-group gates, no barrier) or ``"barrier"``: each step drains
+            the pipeline and casts the previous update into the compute copies on the calling thread
+            (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class PipelineEngine:
         seed: int | None = None,
         max_inflight: int = 3,
         asynchronous: bool = False,
+        consistency: str = "layerwise",
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -90,6 +94,9 @@ class PipelineEngine:
             raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
         self.num_rounds = num_rounds
         self.overlap = overlap
+        if consistency not in ("layerwise", "barrier"):
+            raise ValueError(f"consistency={consistency!r} is not 'layerwise' or 'barrier'")
+        self.consistency = consistency
         self.asynchronous = asynchronous
         self.layers = layers
         self.devices = list(devices)
@@ -251,6 +258,11 @@ class PipelineEngine:
         window = self._windows[k]
         if not window.flights:
             return  # no batch ran in this step: nothing to update
+        if self.consistency == "barrier":  # drain, then cast the previous update here, all groups at once
+            self.flush()
+            for g, gate in self._cast_done.get(k - 1, {}).items():
+                self.store.refresh_group(g)
+                gate.set()
         grads_complete = {g: self._grad_chain[g] for g in self._trainable if g in self._grad_chain}
         order = tuple(sorted(grads_complete, key=lambda g: (-self.store.groups[g].layer, g)))  # deep first
         consumed = {g: self._job_gate() for g in order}
@@ -263,7 +275,8 @@ class PipelineEngine:
         self._windows.pop(k - 2, None)
         window.closed.set()
         self.store.fresh_grads = set(self._trainable)
-        self._optimizer.submit(UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window))
+        cast = self.consistency == "layerwise"
+        self._optimizer.submit(UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window, cast))
         self.step += 1
 
     def flush(self) -> None:

@@ -252,16 +252,14 @@ class StageExecutor:
                 host = self.store.groups[g].grad
                 assert host is not None
                 if g in overwrite:  # first write since cleared: straight into the host gradient
-                    with dev.on(dev.grad_down):
-                        source = grad if grad.dtype == host.dtype else grad.to(host.dtype)
-                    loaded.downloads[g] = (source, host)
+                    loaded.downloads[g] = (grad, host)
                 else:
                     loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
                     loaded.downloads[g] = (grad, loaded.staging[g])
         for g, start, stop in self._parts(stage.slot, "G", action.parts)[action.part]:
             if g in loaded.downloads:
                 source, destination = loaded.downloads[g]
-                dev.copy_down(destination[start:stop], source[start:stop], dev.grad_down)
+                self._download_range(source, destination, start, stop)
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
             for source, _ in loaded.downloads.values():
@@ -272,6 +270,22 @@ class StageExecutor:
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)
             del self._loaded[key]
+
+    _CONVERT_CHUNK = 1 << 24  # elements converted at a time before a download (64 MiB in fp32)
+
+    def _download_range(self, source: Tensor, destination: Tensor, start: int, stop: int) -> None:
+        """Copy ``source[start:stop]`` into host ``destination``; a dtype change (bf16 gradients into
+        the fp32 host buffer) happens on the device in bounded chunks, never for the whole group."""
+        dev = self.device
+        if source.dtype == destination.dtype:
+            dev.copy_down(destination[start:stop], source[start:stop], dev.grad_down)
+            return
+        for a in range(start, stop, self._CONVERT_CHUNK):
+            b = min(stop, a + self._CONVERT_CHUNK)
+            with dev.on(dev.grad_down):
+                converted = source[a:b].to(destination.dtype)
+            dev.copy_down(destination[a:b], converted, dev.grad_down)
+            dev.keep_alive(converted, dev.grad_down)
 
     # ------------------------------------------------------------------ compute
     def _layer(self, index: int, tensors: dict[int, dict[str, Tensor]], x: Any, flight: Flight, microbatch: int) -> Any:

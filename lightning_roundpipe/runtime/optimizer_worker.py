@@ -71,6 +71,8 @@ class UpdateJob:
     consumed: dict[int, Gate]
     cast_done: dict[int, Gate]
     next_window: StepWindow
+    cast: bool = True
+    """``False``: the engine casts this update itself at the next step's barrier (the blocking variant)."""
     math_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -147,6 +149,8 @@ class OptimizerWorker:
             if self.trace is not None:
                 self.trace.append(("update", job.step, g, start, time.perf_counter()))
         job.math_done.set()
+        if not job.cast:
+            return
         job.next_window.closed.wait()
         for g in job.groups:
             for flight in job.next_window.flights:

@@ -1,0 +1,49 @@
+"""Running benchmark configurations one per process and collecting their JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_configs(script: str, configs: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run ``script --run CONFIG --key value ...`` for each config; each prints one ``RESULT {json}`` line."""
+    results = []
+    for config in configs:
+        cmd = [sys.executable, script, "--run", config]
+        for key, value in shared.items():
+            if value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            results.append({"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode})
+            print(f"{config}: FAILED ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        result = json.loads(lines[-1][len("RESULT ") :])
+        result["config"] = config
+        result["wall_s"] = time.perf_counter() - t0
+        results.append(result)
+        print(f"{config}: done in {result['wall_s']:.0f} s", flush=True)
+    return results
+
+
+def write(out: str | None, argv: list[str], script: str, results: list[dict[str, Any]]) -> None:
+    if not out:
+        return
+    import torch
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": f"python benchmarks/{Path(script).name} " + " ".join(argv),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
