@@ -8,6 +8,7 @@ clipping and the optimizer look for them; the optimizer steps the host master we
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.plan = StagePlan.parse(plan) if isinstance(plan, str) else plan
         self.engine: PipelineEngine | None = None
         self._pipelined: nn.Module | None = None
+        self._interceptor: Any = None
         self._in_training_step = False
         self._step_loss: Tensor | None = None
         self._num_nodes = 1
@@ -203,7 +205,16 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.setup_precision_plugin()
 
     def _setup_engine(self) -> None:
-        sequential = find_pipelined_module(self.lightning_module)
+        module = self.lightning_module
+        hf_model = find_hf_model(module)
+        if hf_model is not None:
+            from lightning_roundpipe.models import hf
+
+            layers = hf.build_layers(hf_model)
+            check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
+        else:
+            sequential = find_pipelined_module(module)
+            layers = list(sequential.children())
         if self.async_optimizer:
             if self.precision_plugin.precision == "16-mixed":
                 raise ValueError(
@@ -212,10 +223,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                     " RoundPipeStrategy(async_optimizer=False)."
                 )
             hooks = ("on_after_backward", "on_before_optimizer_step")
-            overridden = [h for h in hooks if _is_overridden(h, self.lightning_module)]
+            overridden = [h for h in hooks if _is_overridden(h, module)]
             if overridden:
                 rank_zero_warn(
-                    f"{type(self.lightning_module).__name__} overrides {overridden}; with"
+                    f"{type(module).__name__} overrides {overridden}; with"
                     " RoundPipeStrategy(async_optimizer=True) gradients are applied on a host thread one step later"
                     " and `p.grad` is None in these hooks. Use async_optimizer=False to inspect gradients there."
                 )
@@ -231,7 +242,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                     " `accelerator='gpu'` or `accelerator='cpu'`."
                 )
         self.engine = PipelineEngine(
-            list(sequential.children()),
+            layers,
             devices,
             plan=self.plan,
             microbatches_per_round=self.num_microbatches,
@@ -241,11 +252,22 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             autocast_dtype=self.precision_plugin.compute_dtype,
             asynchronous=self.async_optimizer,
         )
-        self._pipelined = sequential
-        api.register_runner(sequential, self._run_pipeline)
+        if hf_model is not None:
+            from lightning_roundpipe.models import hf
+
+            def run(inputs: Any, target: Any) -> Tensor:
+                return self._train_batch(inputs, target, lambda out, _: out, hf.counted_tokens)
+
+            self._interceptor = hf.Interceptor(hf_model, run, lambda: self._in_training_step)
+        else:
+            self._pipelined = sequential
+            api.register_runner(sequential, self._run_pipeline)
 
     @override
     def teardown(self) -> None:
+        if self._interceptor is not None:
+            self._interceptor.restore()
+            self._interceptor = None
         if self._pipelined is not None:
             api.unregister_runner(self._pipelined)
             self._pipelined = None
@@ -258,14 +280,20 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def _run_pipeline(
         self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction
     ) -> Tensor:
+        """``pipeline_loss`` on the pipelined ``nn.Sequential``."""
         assert self._pipelined is not None
         if not self._in_training_step:
             # validation/test/predict: a plain forward on the host weights
             return loss_fn(self._pipelined(inputs), target)
+        return self._train_batch(inputs, target, loss_fn, reduction)
+
+    def _train_batch(
+        self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction
+    ) -> Tensor:
         if self._step_loss is not None:
             raise RuntimeError(
-                "`pipeline_loss` was called twice in one `training_step`. Under roundpipe each call runs the"
-                " whole backward, so call it once per step and return its result."
+                "the pipelined model was called twice in one `training_step`. Under roundpipe each call runs the"
+                " whole backward, so call it once per step and return its loss."
             )
         assert self.engine is not None and self.lightning_module is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
@@ -374,6 +402,32 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 cls,
                 description="RoundPipe: host-resident model states, round-robin stages",
             )
+
+
+def find_hf_model(module: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face model (or ``peft`` wrapper of one) inside ``module``, if any.
+
+    Looked for only when ``transformers`` was imported: a model cannot be one otherwise.
+    """
+    if "transformers" not in sys.modules:
+        return None
+    from lightning_roundpipe.models import hf
+
+    for _, child in module.named_modules():
+        if hf.is_hf_model(child):
+            return child
+    return None
+
+
+def check_covers_trainable(module: nn.Module, layers: list[nn.Module], what: str) -> None:
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"these trainable parameters of {type(module).__name__} are not in {what}: {outside[:8]}"
+            f"{' ...' if len(outside) > 8 else ''}. They would never be trained: freeze them, or move them into"
+            " the pipelined model."
+        )
 
 
 def find_pipelined_module(module: nn.Module) -> nn.Sequential:

@@ -110,6 +110,11 @@ class HostStore:
         data = torch.empty(total, dtype=dtype)
         cast = kind != "buffer" and self.compute_dtype is not None and dtype.is_floating_point
         compute_dtype = self.compute_dtype if cast else dtype
+        if kind == "frozen" and cast:
+            # never updated, only computed with: keep one copy, in the compute dtype (2 bytes per
+            # parameter in bf16; the module's frozen parameters become views of it)
+            data = torch.empty(total, dtype=compute_dtype)
+            dtype = compute_dtype
         separate = (cast and compute_dtype != dtype) or (self.separate_compute and kind == "trainable")
         compute = torch.empty(total, dtype=compute_dtype) if separate else data
         grad = torch.zeros_like(data) if kind == "trainable" else None
@@ -120,7 +125,7 @@ class HostStore:
             n = t.numel()
             view = data[offset : offset + n]
             view.copy_(t.detach().reshape(-1))
-            t.data = view.view(t.shape)
+            t.data = view.view(t.shape)  # in the group's dtype (frozen parameters: the compute dtype)
             group.members.append(t)
             if kind == "trainable":
                 assert isinstance(t, nn.Parameter)

@@ -24,7 +24,6 @@ import math
 import queue
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,6 +187,21 @@ class OptimizerWorker:
         return self._shadows[key]
 
 
+class _SharedState(dict):
+    """The shadow's per-parameter state: the real optimizer's own dicts, looked up on first use only (so
+    parameters the shadow never steps, such as frozen ones, get no state entry at all)."""
+
+    def __init__(self, real_state: dict[Any, Any], real_of: dict[int, nn.Parameter]) -> None:
+        super().__init__()
+        self._real_state = real_state
+        self._real_of = real_of
+
+    def __missing__(self, shadow_param: Any) -> dict[str, Any]:
+        state = self._real_state[self._real_of[id(shadow_param)]]
+        self[shadow_param] = state
+        return state
+
+
 def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
     """A copy of ``optimizer`` over new parameter objects that share storage and per-parameter state.
 
@@ -198,7 +212,7 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Opti
     # the shadow must call its class's own step.
     shadow.__dict__.pop("step", None)
     shadows_of: dict[int, nn.Parameter] = {}
-    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    real_of: dict[int, nn.Parameter] = {}
     groups = []
     for group in optimizer.param_groups:
         params = []
@@ -206,9 +220,9 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Opti
             if id(p) not in shadows_of:
                 sp = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
                 shadows_of[id(p)] = sp
-                state[sp] = optimizer.state[p]  # the same dict: state written here is the real optimizer's
+                real_of[id(sp)] = p
             params.append(shadows_of[id(p)])
         groups.append({**group, "params": params})
     shadow.param_groups = groups
-    shadow.state = state
+    shadow.state = _SharedState(optimizer.state, real_of)  # type: ignore[assignment]
     return shadow, shadows_of

@@ -1,0 +1,220 @@
+"""Hugging Face presets: ``self.model(**batch).loss`` trains through the pipeline with the model's numbers."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from helpers import relative_error
+from torch.utils.data import DataLoader
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.models import hf  # noqa: E402
+from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice  # noqa: E402
+from lightning_roundpipe.schedule import StagePlan  # noqa: E402
+
+VOCAB = 101
+
+
+def tiny(arch: str, attn: str = "sdpa", tied: bool = True, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, attn_implementation=attn,
+    )  # fmt: skip
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+
+
+def padded_batch(rows: int = 6, length: int = 10, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    for r, pad in enumerate([0, 3, 0, 5, 1, 0][:rows]):  # right padding of different lengths
+        if pad:
+            attention_mask[r, -pad:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3):
+    layers = hf.build_layers(model)
+    engine = PipelineEngine(
+        layers, [WorkerDevice("cpu", i) for i in range(workers)], plan=plan, microbatches_per_round=mbs
+    )
+    try:
+        ids = batch["input_ids"]
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        inputs = (ids, batch["attention_mask"], pos, batch["labels"])
+        loss = engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
+        engine.store.install_grads()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied):
+    model = tiny(arch, attn, tied)
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    # 5 layers (embedding, 3 blocks, head); forward and backward partitions differ
+    loss, grads = engine_loss_and_grads(model, batch, plan=StagePlan.parse("2,1|2,1,2"))
+    want = reference(**batch)
+    want.loss.backward()
+    assert relative_error(loss, want.loss.detach()) <= 1e-5
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, expected[name]) <= 1e-5, name
+    if tied:  # one parameter, one gradient holding both uses
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert "lm_head.weight" not in grads
+
+
+class HFModule(L.LightningModule):
+    def __init__(self, arch: str = "qwen3", tied: bool = True):
+        super().__init__()
+        self.model = tiny(arch, tied=tied)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def hf_data(batches: int = 4) -> DataLoader:
+    items = [padded_batch(seed=s) for s in range(batches)]
+    return DataLoader(items, batch_size=None)
+
+
+def fit_hf(strategy, devices, arch="qwen3", tied=True):
+    L.seed_everything(0, verbose=False)
+    module = HFModule(arch, tied)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, hf_data())
+    return module
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_training_step_unchanged_weights_equal_plain_lightning(arch):
+    plain = fit_hf("auto", 1, arch)
+    ours = fit_hf(RoundPipeStrategy(num_microbatches=3, async_optimizer=False), 2, arch)
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    assert relative_error(flat(ours), flat(plain)) <= 1e-5
+    assert relative_error(flat(ours), flat(HFModule(arch))) > 1e-3  # it trained
+    assert "forward" not in ours.model.__dict__  # the interception is undone at teardown
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    with pytest.raises(
+        ValueError, match=r"no preset for GPT2LMHeadModel; supported: \['LlamaForCausalLM'.*nn.Sequential"
+    ):
+        hf.build_layers(transformers.GPT2LMHeadModel(config))
+
+
+def test_use_cache_warns_and_missing_labels_is_an_error():
+    class NoLabels(HFModule):
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["input_ids"], use_cache=True).loss
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="without a KV cache"), pytest.raises(ValueError, match="pass `labels`"):
+        trainer.fit(NoLabels(), hf_data())
+
+
+def test_core_package_does_not_import_transformers_or_peft():
+    """The presets are imported only when a Hugging Face model is pipelined; nothing else imports them."""
+    import ast
+    from pathlib import Path
+
+    import lightning_roundpipe
+
+    code = "import sys, lightning_roundpipe; assert 'lightning_roundpipe.models.hf' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    root = Path(lightning_roundpipe.__file__).parent
+    for path in root.rglob("*.py"):
+        if path.name == "hf.py":
+            continue
+        for node in ast.parse(path.read_text()).body:  # module-level imports only
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("transformers", "peft") for n in names), path
+
+
+peft = pytest.importorskip("peft")
+
+
+class LoRAModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+        self.model = peft.get_peft_model(tiny("qwen3"), config)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)  # frozen parameters included, as users do
+
+
+def fit_lora(strategy, devices, **trainer_kwargs):
+    L.seed_everything(0, verbose=False)
+    module = LoRAModule()
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, hf_data())
+    return module, start, trainer.optimizers[0]
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_lora_trains_only_adapters(async_optimizer):
+    ours, start, optimizer = fit_lora(RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer), 2)
+    adapters = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in ours.named_parameters() if not p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    for name, p in frozen.items():
+        assert torch.equal(p, start[name]), f"{name} changed"
+    assert not any(p in optimizer.state for p in frozen.values())  # no state for frozen parameters
+    assert all(optimizer.state[p] for p in adapters.values())
+    if not async_optimizer:
+        plain, _, _ = fit_lora("auto", 1)
+        for name, p in adapters.items():
+            assert relative_error(p.detach(), dict(plain.named_parameters())[name].detach()) <= 1e-5, name
+    else:
+        assert any(not torch.equal(p, start[n]) for n, p in adapters.items())
+
+
+def test_lora_frozen_weights_take_two_bytes_on_the_host_in_bf16():
+    model = peft.get_peft_model(tiny("qwen3"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = PipelineEngine(hf.build_layers(model), [WorkerDevice("cpu", 0)], compute_dtype=torch.bfloat16)
+    try:
+        frozen = [g for g in engine.store.groups if g.kind == "frozen"]
+        trainable = [g for g in engine.store.groups if g.kind == "trainable"]
+        assert frozen and all(g.grad is None and g.data.dtype == torch.bfloat16 and g.compute is g.data for g in frozen)
+        assert all(g.grad is not None and g.data.dtype == torch.float32 for g in trainable)
+        frozen_params = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        frozen_bytes = sum(g.data.numel() * g.data.element_size() for g in frozen if g.params == [])
+        assert frozen_bytes <= 2 * frozen_params + 64 * 1024  # (buffers such as rotary tables aside)
+    finally:
+        engine.close()
