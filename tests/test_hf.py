@@ -218,3 +218,51 @@ def test_lora_frozen_weights_take_two_bytes_on_the_host_in_bf16():
         assert frozen_bytes <= 2 * frozen_params + 64 * 1024  # (buffers such as rotary tables aside)
     finally:
         engine.close()
+
+
+def tiny_moe(aux: bool, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, output_router_logits=aux, router_aux_loss_coef=0.5, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # routers start at zero: give them something to route with
+        for name, p in model.named_parameters():
+            if "gate" in name and p.dim() == 2 and p.shape[0] == 4:
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_moe_without_aux_loss_equals_the_whole_batch_run():
+    model = tiny_moe(aux=False)
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    loss, grads = engine_loss_and_grads(model, batch)
+    want = reference(**batch)
+    want.loss.backward()
+    assert relative_error(loss, want.loss.detach()) <= 1e-5
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            assert relative_error(grads[name], p.grad) <= 1e-5, name
+
+
+def test_moe_aux_loss_is_the_models_own_per_micro_batch():
+    """With output_router_logits the loss includes router_aux_loss_coef x the load-balancing loss of each
+    micro-batch (as with gradient accumulation); routers get its gradient through every stage."""
+    model = tiny_moe(aux=True)
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    loss, grads = engine_loss_and_grads(model, batch, mbs=3)
+    parts = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2, 4)]
+    counts = [hf.counted_tokens(p["labels"]).item() for p in parts]
+    want = sum(reference(**p).loss * (c / sum(counts)) for p, c in zip(parts, counts))
+    want.backward()
+    assert relative_error(loss, want.detach()) <= 1e-5
+    router_grads = [n for n, p in reference.named_parameters() if "gate" in n and p.grad is not None and p.dim() == 2]
+    assert router_grads
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            assert relative_error(grads[name], p.grad) <= 1e-5, name

@@ -1,12 +1,13 @@
 """Hugging Face causal LMs as layer sequences, so ``self.model(**batch).loss`` trains unchanged.
 
 A preset turns a supported ``*ForCausalLM`` into: an input stage (token embedding), one stage per
-decoder block, and an output stage (final norm, LM head, chunked loss). What crosses a stage
-boundary is ``(hidden_states, attention_mask, position_ids, labels)``: the 2-D padding mask, never
-an O(seq^2) one; each block builds the attention mask its implementation needs with transformers'
-public ``create_causal_mask`` (called positionally, since its cache argument was renamed between
-releases) and its rotary tables from the position ids. Parameters stay the model's own, so tied
-input/output embeddings remain one parameter with one gradient.
+decoder block, and an output stage (final norm, LM head, chunked loss). What crosses a stage boundary
+is ``(hidden_states, attention_mask, position_ids, labels, router_sums)``: the 2-D padding mask, never
+an O(seq^2) one, and, for mixture-of-experts models with ``output_router_logits``, the running
+per-expert sums the load-balancing loss is made of. Each block builds the attention mask its
+implementation needs with transformers' public ``create_causal_mask`` (called positionally: its cache
+argument was renamed between releases) and its rotary tables from the position ids. Parameters stay
+the model's own, so tied input/output embeddings remain one parameter with one gradient.
 
 Only ``transformers`` is imported here, and only when a Hugging Face model is pipelined: the core
 package does not need it.
@@ -26,24 +27,33 @@ from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
 
 IGNORE_INDEX = -100
 
-State = tuple[Tensor, Tensor | None, Tensor, Tensor | None]
-"""What travels between stages: hidden states, 2-D padding mask, position ids, labels."""
+State = tuple[Tensor, Tensor | None, Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor] | None]
+"""What travels between stages: hidden states, 2-D padding mask, position ids, labels, and the router
+sums (tokens per expert, router probability per expert, counted rows) of the layers so far."""
 
 
 class InputStage(nn.Module):
-    """Token embedding; the rest of the batch passes through."""
+    """Token embedding; the rest of the batch passes through; router sums start at zero."""
 
-    def __init__(self, embed_tokens: nn.Module) -> None:
+    def __init__(self, embed_tokens: nn.Module, num_experts: int = 0) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
+        self.num_experts = num_experts
+        """Non-zero when the model's load-balancing loss is computed (``output_router_logits``)."""
 
-    def forward(self, batch: State) -> State:
+    def forward(self, batch: tuple[Tensor, Tensor | None, Tensor, Tensor | None]) -> State:
         input_ids, attention_mask, position_ids, labels = batch
-        return self.embed_tokens(input_ids), attention_mask, position_ids, labels
+        hidden = self.embed_tokens(input_ids)
+        sums = None
+        if self.num_experts:
+            zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=hidden.device)
+            sums = (zeros, zeros.clone(), torch.zeros((), dtype=torch.float32, device=hidden.device))
+        return hidden, attention_mask, position_ids, labels, sums
 
 
 class DecoderStage(nn.Module):
-    """One decoder block with its attention mask and rotary tables made here, per micro-batch."""
+    """One decoder block with its attention mask and rotary tables made here, per micro-batch; for a
+    mixture-of-experts block, its router logits are added to the running router sums."""
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int) -> None:
         super().__init__()
@@ -54,7 +64,7 @@ class DecoderStage(nn.Module):
         self.sliding = bool(types) and types[index] == "sliding_attention"
 
     def forward(self, state: State) -> State:
-        hidden, attention_mask, position_ids, labels = state
+        hidden, attention_mask, position_ids, labels, sums = state
         from transformers import masking_utils
 
         make_mask = (
@@ -62,34 +72,76 @@ class DecoderStage(nn.Module):
         )
         # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose
         mask = make_mask(self.config, hidden, attention_mask, None, position_ids=position_ids)
-        out = self.layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=position_ids,
-            position_embeddings=self.rotary_emb(hidden, position_ids),
-        )
-        return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids, labels
+        router = _router_of(self.layer) if sums is not None else None
+        logits: list[Tensor] = []
+        handle = None
+        if router is not None:
+            handle = router.register_forward_hook(
+                lambda _m, _i, out: logits.append(out[0] if isinstance(out, tuple) else out)
+            )
+        try:
+            out = self.layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                position_embeddings=self.rotary_emb(hidden, position_ids),
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
+        if logits:
+            assert sums is not None
+            sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
+        return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids, labels, sums
+
+
+def _router_of(layer: nn.Module) -> nn.Module | None:
+    """The module whose output is the layer's router logits (``mlp.gate`` of a sparse block), if any."""
+    mlp = getattr(layer, "mlp", None)
+    return getattr(mlp, "gate", None) if mlp is not None and hasattr(mlp, "experts") else None
+
+
+def _add_router_sums(
+    sums: tuple[Tensor, Tensor, Tensor], logits: Tensor, attention_mask: Tensor | None, top_k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's share of the load-balancing loss, as transformers' ``load_balancing_loss_func`` sums it."""
+    per_expert, probs_sum, rows = sums
+    probs = torch.softmax(logits.float(), dim=-1)
+    selected = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+    if attention_mask is None:
+        weight = torch.ones(probs.shape[0], dtype=torch.float32, device=probs.device)
+    else:
+        weight = attention_mask.reshape(-1).to(torch.float32)
+    counts = torch.zeros_like(per_expert).scatter_add_(0, selected, weight.repeat_interleave(top_k))
+    return per_expert + counts, probs_sum + (probs * weight[:, None]).sum(0), rows + weight.sum()
 
 
 class OutputStage(nn.Module):
     """Final norm, LM head and the loss Hugging Face computes: next-token cross-entropy, labels shifted
-    by one, ``-100`` ignored, mean over the counted tokens; in chunks, never full-vocabulary logits."""
+    by one, ``-100`` ignored, mean over the counted tokens, in chunks (never full-vocabulary logits);
+    plus ``router_aux_loss_coef`` times the load-balancing loss when router sums travelled."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int = 2048) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int = 2048, aux_coef: float = 0.0) -> None:
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError("the chunked LM-head loss supports heads without bias only")
         self.norm = norm
         self.lm_head = lm_head
         self.chunk_size = chunk_size
+        self.aux_coef = aux_coef
 
     def forward(self, state: State) -> Tensor:
-        hidden, _, _, labels = state
+        hidden, _, _, labels, sums = state
         if labels is None:
             raise ValueError("training through roundpipe needs `labels` in the batch (the loss is computed there)")
-        return chunked_linear_cross_entropy(
+        loss = chunked_linear_cross_entropy(
             self.norm(hidden), self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size
         )
+        if sums is not None:
+            per_expert, probs_sum, rows = sums
+            aux = (per_expert / rows * (probs_sum / rows)).sum() * per_expert.numel()
+            loss = loss + self.aux_coef * aux
+        return loss
 
 
 def shift_labels(labels: Tensor) -> Tensor:
@@ -102,19 +154,23 @@ def counted_tokens(labels: Tensor) -> Tensor:
     return (shift_labels(labels) != IGNORE_INDEX).sum()
 
 
-def _dense_decoder(model: nn.Module) -> list[nn.Module]:
+def _decoder(model: nn.Module) -> list[nn.Module]:
+    """Embedding, the decoder blocks, final norm and head: Llama, Qwen3 and Qwen3-MoE share this shape."""
     inner = model.model
     config = model.config
     layers = list(inner.layers[: config.num_hidden_layers])
-    stages: list[nn.Module] = [InputStage(inner.embed_tokens)]
+    experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "output_router_logits", False) else 0
+    stages: list[nn.Module] = [InputStage(inner.embed_tokens, experts)]
     stages += [DecoderStage(layer, inner.rotary_emb, config, i) for i, layer in enumerate(layers)]
-    stages.append(OutputStage(inner.norm, model.lm_head))
+    aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0)) if experts else 0.0
+    stages.append(OutputStage(inner.norm, model.lm_head, aux_coef=aux_coef))
     return stages
 
 
 PRESETS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
-    "LlamaForCausalLM": _dense_decoder,
-    "Qwen3ForCausalLM": _dense_decoder,
+    "LlamaForCausalLM": _decoder,
+    "Qwen3ForCausalLM": _decoder,
+    "Qwen3MoeForCausalLM": _decoder,
 }
 """Architecture (class name) to the function building its layer sequence."""
 
