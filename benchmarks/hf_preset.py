@@ -1,0 +1,144 @@
+"""The Hugging Face Qwen3 preset against the hand-written Qwen3-shaped ``nn.Sequential``, side by side.
+
+Both train through the same engine on one GPU (bf16, random weights, same shape, same plan shape,
+the chunked loss); the preset runs transformers' own ``Qwen3ForCausalLM`` blocks. Prints forward+
+backward tokens/s of each and their ratio (target: the preset within 5% of the hand-written model).
+``--device cpu --model debug`` is a smoke test on CPU worker threads.
+
+    python benchmarks/hf_preset.py --out benchmarks/results/hf-preset.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _driver import run_configs, write
+from qwen3_shape import SHAPES, build, init, num_parameters
+from throughput import batch, default_plan
+
+CONFIGS = ("handwritten", "preset")
+
+
+def hf_model(shape: Any) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=True, attn_implementation="sdpa", rope_theta=1_000_000.0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        model.model.rotary_emb.inv_freq.copy_(
+            1.0 / 1_000_000.0 ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
+        )
+    return model
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_roundpipe.models import hf
+    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.runtime.device import CudaWorkerDevice
+    from lightning_roundpipe.schedule import StagePlan
+
+    shape = SHAPES[args.model]
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    if args.run == "preset":
+        model = hf_model(shape)
+        layers = hf.build_layers(model)
+    else:
+        with torch.device("meta"):
+            model = build(shape)
+        model = init(model.to_empty(device="cpu"))
+        layers = list(model.children())
+    params = num_parameters(model)
+    devices = [CudaWorkerDevice("cuda:0", 0) if cuda else WorkerDevice("cpu", i) for i in range(args.workers)]
+    engine = PipelineEngine(
+        layers,
+        devices,
+        plan=StagePlan.parse(default_plan(len(layers), args.fused_blocks)),
+        microbatches_per_round=max(args.workers, args.seqs // args.micro_batch),
+        compute_dtype=torch.bfloat16,
+        autocast_dtype=torch.bfloat16,
+    )
+
+    def step(i: int) -> float:
+        tokens, labels = batch(shape, args.seqs, args.seq_len, i)
+        if args.run == "preset":  # the preset shifts labels itself, as Hugging Face does
+            inputs = (tokens, None, torch.arange(tokens.shape[1]).expand_as(tokens), tokens)
+            target, reduction = tokens, hf.counted_tokens
+        else:
+            inputs, target = (tokens, labels), labels
+            reduction = lambda t: (t != -100).sum()  # noqa: E731
+        start = time.perf_counter()
+        engine.train_batch(inputs, target, lambda out, _: out, reduction=reduction)
+        elapsed = time.perf_counter() - start
+        engine.store.clear_grads()
+        return elapsed
+
+    try:
+        for i in range(args.warmup):
+            step(i)
+        times = [step(args.warmup + i) for i in range(args.steps)]
+    finally:
+        engine.close()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return {
+        "fwd_bwd_s": times,
+        "tokens_per_s": args.seqs * args.seq_len * len(times) / sum(times),
+        "parameters": params,
+        "peak_gpu_gib": peak,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", choices=CONFIGS)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--seqs", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--fused-blocks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
+    results = run_configs(__file__, args.configs.split(","), shared)
+    by = {r["config"]: r for r in results if "error" not in r}
+    for r in by.values():
+        print(f"{r['config']:12} {r['tokens_per_s']:9.0f} tokens/s  {r['parameters'] / 1e9:.2f} B params")
+    if len(by) == 2:
+        by["preset"]["ratio_to_handwritten"] = by["preset"]["tokens_per_s"] / by["handwritten"]["tokens_per_s"]
+        print(f"preset / hand-written: {by['preset']['ratio_to_handwritten']:.3f}")
+    write(args.out, sys.argv[1:], __file__, results)
+
+
+if __name__ == "__main__":
+    main()
