@@ -28,6 +28,15 @@ from throughput import batch, default_plan
 CONFIGS = ("handwritten", "preset")
 
 
+def _reset_rotary_tables(model: torch.nn.Module, config: object) -> None:
+    """Buffers left empty by building on the meta device: take them from a freshly built rotary module."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(config=config)
+            for name, buffer in fresh.named_buffers():
+                getattr(module, name).copy_(buffer)
+
+
 def hf_model(shape: Any) -> torch.nn.Module:
     import transformers
 
@@ -47,9 +56,7 @@ def hf_model(shape: Any) -> torch.nn.Module:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        model.model.rotary_emb.inv_freq.copy_(
-            1.0 / 1_000_000.0 ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
-        )
+    _reset_rotary_tables(model, config)
     return model
 
 
