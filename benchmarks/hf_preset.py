@@ -22,19 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _driver import run_configs, write
-from qwen3_shape import SHAPES, build, init, num_parameters
+from qwen3_shape import SHAPES, build, init, init_hf, num_parameters
 from throughput import batch, default_plan
 
 CONFIGS = ("handwritten", "preset")
-
-
-def _reset_rotary_tables(model: torch.nn.Module, config: object) -> None:
-    """Buffers left empty by building on the meta device: take them from a freshly built rotary module."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):
-            fresh = type(module)(config=config)
-            for name, buffer in fresh.named_buffers():
-                getattr(module, name).copy_(buffer)
 
 
 def hf_model(shape: Any) -> torch.nn.Module:
@@ -49,14 +40,7 @@ def hf_model(shape: Any) -> torch.nn.Module:
         model = transformers.Qwen3ForCausalLM(config)
     model = model.to_empty(device="cpu")
     model.lm_head.weight = model.model.embed_tokens.weight
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    _reset_rotary_tables(model, config)
+    init_hf(model, config)
     return model
 
 

@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from qwen3_shape import init_hf
+
 SHAPES = {
     "qwen3-30b-a3b": dict(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -34,15 +36,6 @@ SHAPES = {
 GiB = 2**30
 
 
-def _reset_rotary_tables(model: torch.nn.Module, config: object) -> None:
-    """Buffers left empty by building on the meta device: take them from a freshly built rotary module."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):
-            fresh = type(module)(config=config)
-            for name, buffer in fresh.named_buffers():
-                getattr(module, name).copy_(buffer)
-
-
 def build(shape: str) -> torch.nn.Module:
     import peft
     import transformers
@@ -53,14 +46,7 @@ def build(shape: str) -> torch.nn.Module:
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    _reset_rotary_tables(model, config)
+    init_hf(model, config)
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = peft.get_peft_model(model, lora)
     for p in model.parameters():  # adapters keep fp32 masters; the frozen base stays bf16

@@ -142,6 +142,24 @@ def init(model: nn.Sequential, seed: int = 0) -> nn.Sequential:
     return model
 
 
+@torch.no_grad()
+def init_hf(model: nn.Module, config: object, seed: int = 0) -> nn.Module:
+    """Random weights for a Hugging Face model built on the meta device and moved with ``to_empty``:
+    normal (std 0.02), ones for norms, and the rotary tables taken from a freshly built rotary module."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            fresh = type(module)(config=config)
+            for name, buffer in fresh.named_buffers():
+                getattr(module, name).copy_(buffer)
+    return model
+
+
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
