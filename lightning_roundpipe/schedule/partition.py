@@ -1,0 +1,251 @@
+"""The partitioner: a stage plan from measured per-layer costs (paper section 4.4).
+
+Given per-layer forward time ``f``, backward-with-recompute time ``b`` (the cost of a layer in a
+backward or fused stage) and memory, choose the forward partition, the fused stage and the backward
+partition that minimise ``(M * S + N * (N - 1)) * t_max``: ``S`` slots per round, ``t_max`` the
+slowest stage. How:
+
+1. For a fixed ``t_max`` the fewest stages come from filling the fused stage as far as it goes
+   (both other partitions then cover fewer layers, and a greedy count never grows when the range
+   shrinks), then packing each range greedily. With prefix sums each greedy jump is one binary
+   search: a count costs O(S log L).
+2. ``t_max`` is one of the contiguous sums of ``f`` or ``b``. Over those candidates, sorted, the
+   stage count is a non-increasing step function. A recursive bisection finds the steps, skipping
+   every interval whose best possible objective, ``(M * S(hi) + N(N-1)) * t(lo)``, cannot beat the
+   best found so far.
+
+Memory of a stage (bytes): forward stages ``2 * sum(params) + max(forward activations)``; backward
+and fused stages ``2 * sum(params + grads) + sum(backward activations)``. Weights and gradients count
+twice because the next stage's weights arrive and the previous stage's gradients leave while a stage
+computes; activations are those of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from lightning_roundpipe.schedule.plan import StagePlan
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Measured or estimated costs of each layer (seconds and bytes, one micro-batch)."""
+
+    forward: tuple[float, ...]
+    """Forward time without autograd (forward stages)."""
+    backward: tuple[float, ...]
+    """Recompute plus backward time (backward and fused stages; the loss included in the last layer)."""
+    params: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+    forward_activations: tuple[int, ...] = ()
+    """Peak transient memory of the layer's forward without autograd."""
+    backward_activations: tuple[int, ...] = ()
+    """Memory autograd keeps for the layer between recompute and backward."""
+
+    def __post_init__(self) -> None:
+        n = len(self.forward)
+        zeros = (0,) * n
+        for name in ("params", "grads", "forward_activations", "backward_activations"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, zeros)
+        for name in ("backward", "params", "grads", "forward_activations", "backward_activations"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"LayerCosts.{name} has {len(getattr(self, name))} entries for {n} layers")
+        if n == 0:
+            raise ValueError("LayerCosts needs at least one layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward)
+
+
+@dataclass(frozen=True)
+class Partition:
+    plan: StagePlan
+    t_max: float
+    objective: float
+
+
+class Infeasible(ValueError):
+    """No plan fits the memory limit; the message names the layer and the numbers."""
+
+
+def objective(num_slots: int, t_max: float, microbatches: int, workers: int) -> float:
+    return (microbatches * num_slots + workers * (workers - 1)) * t_max
+
+
+def partition(costs: LayerCosts, workers: int, microbatches: int, memory_limit: float | None = None) -> Partition:
+    """The plan minimising ``(M * S + N * (N - 1)) * t_max`` under ``memory_limit`` (bytes, per stage)."""
+    if workers < 1 or microbatches < 1:
+        raise ValueError(f"need at least one worker and micro-batch, got {workers=} {microbatches=}")
+    limit = float("inf") if memory_limit is None else float(memory_limit)
+    packer = _Packer(costs, limit)
+    candidates = packer.candidates()
+    best: list[tuple[float, int, float]] = []  # (objective, slots, t)
+
+    def value(index: int) -> tuple[float, int]:
+        slots = packer.count(candidates[index])
+        obj = float("inf") if slots is None else objective(slots, candidates[index], microbatches, workers)
+        if not best or obj < best[0][0]:
+            best[:] = [(obj, slots or 0, candidates[index])]
+        return obj, (slots if slots is not None else 10**9)
+
+    lo, hi = 0, len(candidates) - 1
+    _, s_lo = value(lo)
+    _, s_hi = value(hi)
+
+    def search(lo: int, hi: int, s_lo: int, s_hi: int) -> None:
+        # candidates[lo] < candidates[hi]; every t in between needs between s_hi and s_lo slots
+        if hi - lo <= 1 or s_lo == s_hi:
+            return
+        if s_hi < 10**9 and objective(s_hi, candidates[lo], microbatches, workers) >= best[0][0]:
+            return
+        mid = (lo + hi) // 2
+        _, s_mid = value(mid)
+        search(lo, mid, s_lo, s_mid)
+        search(mid, hi, s_mid, s_hi)
+
+    search(lo, hi, s_lo, s_hi)
+    obj, _, t_max = best[0]
+    if obj == float("inf"):
+        raise Infeasible(packer.infeasibility())
+    plan = packer.plan(t_max)
+    return Partition(plan, t_max, objective(plan.num_slots, t_max, microbatches, workers))
+
+
+class _Packer:
+    """Greedy packing of layers into stages under a time bound and the memory limit."""
+
+    def __init__(self, costs: LayerCosts, limit: float) -> None:
+        self.costs = costs
+        self.limit = limit
+        self.L = costs.num_layers
+        c = costs
+        self.f_prefix = list(itertools.accumulate(c.forward, initial=0.0))
+        # backward partitions run from the last layer down: index j is layer L-1-j
+        self.b_prefix = list(itertools.accumulate(reversed(c.backward), initial=0.0))
+        state_f = [2 * p for p in c.params]
+        state_b = [2 * (p + g) for p, g in zip(c.params, c.grads)]
+        self.f_reach = self._memory_reach(state_f, list(c.forward_activations), peak=True)
+        self.b_reach = self._memory_reach(state_b[::-1], list(c.backward_activations)[::-1], peak=False)
+
+    def _memory_reach(self, state: list[float], acts: list[float], peak: bool) -> list[int]:
+        """For each start i, the end j (exclusive, largest) such that layers i..j-1 fit the limit."""
+        reach = []
+        for i in range(self.L):
+            total, top, j = 0.0, 0.0, i
+            while j < self.L:
+                total += state[j] + (0.0 if peak else acts[j])
+                top = max(top, acts[j]) if peak else 0.0
+                if total + top > self.limit:
+                    break
+                j += 1
+            reach.append(j)
+        return reach
+
+    def candidates(self) -> list[float]:
+        values = set()
+        for prefix in (self.f_prefix, self.b_prefix):
+            for i in range(len(prefix)):
+                for j in range(i + 1, len(prefix)):
+                    values.add(prefix[j] - prefix[i])
+        lower = max(max(self.costs.forward), max(self.costs.backward))
+        return sorted(v for v in values if v >= lower - 1e-15 * lower)
+
+    @staticmethod
+    def _jumps(prefix: list[float], reach: list[int], start: int, stop: int, t: float) -> list[int] | None:
+        """Greedy stage boundaries covering ``start..stop-1``; ``None`` if some layer cannot fit."""
+        bounds = []
+        i = start
+        while i < stop:
+            j = min(bisect.bisect_right(prefix, prefix[i] + t * (1 + 1e-12)) - 1, reach[i], stop)
+            if j <= i:
+                return None
+            bounds.append(j)
+            i = j
+        return bounds
+
+    def _split(self, t: float) -> tuple[int, list[int], list[int]] | None:
+        # the fused stage: as many of the last layers as fit
+        fused = min(bisect.bisect_right(self.b_prefix, t * (1 + 1e-12)) - 1, self.b_reach[0], self.L)
+        if fused == 0:
+            return None
+        rest = self.L - fused
+        backward = self._jumps(self.b_prefix, self.b_reach, fused, self.L, t)
+        forward = self._jumps(self.f_prefix, self.f_reach, 0, rest, t)
+        if backward is None or forward is None:
+            return None
+        return fused, forward, backward
+
+    def count(self, t: float) -> int | None:
+        split = self._split(t)
+        if split is None:
+            return None
+        _, forward, backward = split
+        return 1 + len(forward) + len(backward)
+
+    def plan(self, t: float) -> StagePlan:
+        split = self._split(t)
+        assert split is not None
+        fused, forward, backward = split
+        f_sizes = [b - a for a, b in zip([0, *forward[:-1]], forward)]
+        b_sizes = [b - a for a, b in zip([fused, *backward[:-1]], backward)]
+        return StagePlan(tuple(f_sizes), (fused, *b_sizes))
+
+    def infeasibility(self) -> str:
+        c = self.costs
+        for i in range(self.L):
+            need_b = 2 * (c.params[i] + c.grads[i]) + c.backward_activations[i]
+            need_f = 2 * c.params[i] + c.forward_activations[i]
+            if max(need_b, need_f) > self.limit:
+                return (
+                    f"layer {i} needs {max(need_b, need_f) / 2**30:.2f} GiB as a stage of its own (parameters"
+                    f" {c.params[i] / 2**30:.2f} GiB, gradients {c.grads[i] / 2**30:.2f} GiB, activations of one"
+                    f" micro-batch {c.backward_activations[i] / 2**30:.2f} GiB, weights and gradients counted twice"
+                    f" for prefetch) but the limit is {self.limit / 2**30:.2f} GiB. Use smaller micro-batches, a"
+                    " device with more memory, or split the layer."
+                )
+        return f"no plan fits the memory limit of {self.limit / 2**30:.2f} GiB"
+
+
+def brute_force(costs: LayerCosts, workers: int, microbatches: int, memory_limit: float | None = None) -> float:
+    """The optimal objective by enumerating every plan (for tests, small ``L`` only)."""
+    limit = float("inf") if memory_limit is None else float(memory_limit)
+    c = costs
+    L = c.num_layers
+
+    def fwd_ok(a: int, b: int) -> bool:
+        return 2 * sum(c.params[a:b]) + max(c.forward_activations[a:b]) <= limit
+
+    def bwd_ok(a: int, b: int) -> bool:
+        state = sum(2 * (p + g) for p, g in zip(c.params[a:b], c.grads[a:b]))
+        return state + sum(c.backward_activations[a:b]) <= limit
+
+    def fronts(n: int, ok, time) -> dict[int, float]:
+        """Over all ways to cut layers 0..n-1 into contiguous stages: stage count -> least max stage time."""
+        out: dict[int, float] = {}
+        if n == 0:
+            return {0: 0.0}
+        for mask in range(1 << (n - 1)):
+            cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+            if all(ok(a, b) for a, b in itertools.pairwise(cuts)):
+                t = max(time(a, b) for a, b in itertools.pairwise(cuts))
+                k = len(cuts) - 1
+                out[k] = min(out.get(k, float("inf")), t)
+        return out
+
+    best = float("inf")
+    for fused in range(1, L + 1):
+        a = L - fused
+        if not bwd_ok(a, L):
+            continue
+        t_fused = sum(c.backward[a:L])
+        f_front = fronts(a, fwd_ok, lambda x, y: sum(c.forward[x:y]))
+        b_front = fronts(a, bwd_ok, lambda x, y: sum(c.backward[x:y]))
+        for kf, tf in f_front.items():
+            for kb, tb in b_front.items():
+                t = max(t_fused, tf, tb)
+                best = min(best, objective(1 + kf + kb, t, microbatches, workers))
+    return best
