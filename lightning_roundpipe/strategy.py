@@ -43,10 +43,13 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             ``None`` means devices + 1.
         num_rounds: rounds per training batch; the batch is split into
             ``num_microbatches * num_rounds`` micro-batches along dim 0.
-        plan: the stage plan, a :class:`~lightning_roundpipe.schedule.StagePlan` or its printed form
-            ``"3,3|1,2,2,2"`` (forward stage sizes | backward stage sizes, the first backward stage
-            being the fused last-forward/first-backward stage). ``None`` uses
-            ``StagePlan.uniform`` (3 layers per forward stage, 1 per backward stage).
+        plan: ``"auto"`` (the default): the first ``profile_steps`` batches run one layer per stage and
+            measure each layer's times and memory, then the partitioner picks the plan; stage times
+            are checked now and then and the layers measured again when they drift. Or an explicit
+            :class:`~lightning_roundpipe.schedule.StagePlan` or its printed form ``"3,3|1,2,2,2"``
+            (forward stage sizes | backward stage sizes, the first backward stage being the fused
+            last-forward/first-backward stage); ``None`` uses ``StagePlan.uniform``.
+        profile_steps: batches measured before the automatic plan is computed.
         overlap: how weight uploads and gradient downloads overlap compute: ``"priority"`` (cut
             into parts issued between activation copies; the default), ``"simple"`` (one piece,
             prefetched a stage ahead) or ``"none"`` (no overlap; for comparison).
@@ -67,7 +70,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self,
         num_microbatches: int | None = None,
         num_rounds: int = 1,
-        plan: StagePlan | str | None = None,
+        plan: StagePlan | str | None = "auto",
+        profile_steps: int = 2,
         overlap: Overlap = "priority",
         async_optimizer: bool = True,
         accelerator: Any = None,
@@ -91,7 +95,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.async_optimizer = async_optimizer
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
-        self.plan = StagePlan.parse(plan) if isinstance(plan, str) else plan
+        self.plan = StagePlan.parse(plan) if isinstance(plan, str) and plan != "auto" else plan
+        if profile_steps < 1:
+            raise ValueError(f"RoundPipeStrategy(profile_steps={profile_steps}) must be at least 1")
+        self.profile_steps = profile_steps
         self.engine: PipelineEngine | None = None
         self._pipelined: nn.Module | None = None
         self._interceptor: Any = None
@@ -251,6 +258,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             compute_dtype=self.precision_plugin.compute_dtype,
             autocast_dtype=self.precision_plugin.compute_dtype,
             asynchronous=self.async_optimizer,
+            profile_steps=self.profile_steps,
+            memory_limit=device_memory_limit(self.worker_devices),
         )
         if hf_model is not None:
             from lightning_roundpipe.models import hf
@@ -402,6 +411,18 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 cls,
                 description="RoundPipe: host-resident model states, round-robin stages",
             )
+
+
+def device_memory_limit(devices: list[torch.device], fraction: float = 0.8) -> float | None:
+    """Bytes the partitioner may plan a stage for: a share of the smallest worker device (``None`` on CPU)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    total = min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:  # a cap set with torch.cuda.set_per_process_memory_fraction
+        total = int(total * min(get_fraction(d) for d in cuda))
+    return fraction * total
 
 
 def find_hf_model(module: nn.Module) -> nn.Module | None:

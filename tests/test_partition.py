@@ -79,3 +79,9 @@ def test_mismatched_lengths_are_refused():
 
 def test_objective_formula():
     assert objective(num_slots=10, t_max=2.0, microbatches=8, workers=4) == (8 * 10 + 4 * 3) * 2.0
+
+
+def test_every_worker_gets_a_slot_when_layers_allow():
+    costs = LayerCosts((0.1,) * 8, (0.3,) * 7 + (3.0,))  # one fused stage could hold everything
+    got = partition(costs, workers=4, microbatches=8)
+    assert got.plan.num_slots >= 4

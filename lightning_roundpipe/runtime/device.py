@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,8 @@ class WorkerDevice:
         self.grad_down: Any = None
         self.bytes_up = 0
         self.bytes_down = 0
+        self.waited = 0.0
+        """Seconds this worker's thread spent waiting for another worker's use of the shared generator."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device}, worker={self.index})"
@@ -72,6 +75,18 @@ class WorkerDevice:
 
     def synchronize(self) -> None:
         """Wait for everything issued on this device."""
+
+    def timer(self, stream: Any) -> Any:
+        """A point in time on ``stream`` for :meth:`elapsed`. The CPU stand-in's clock leaves out time
+        spent waiting for another worker (CPU workers share one generator): it measures compute."""
+        return time.perf_counter() - self.waited
+
+    @staticmethod
+    def elapsed(start: Any, end: Any) -> float:
+        """Seconds between two :meth:`timer` points (device events must have completed)."""
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1e3
 
     # ------------------------------------------------------------------ memory and copies
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
@@ -131,7 +146,13 @@ class WorkerDevice:
     def seeded(self, seed: int) -> Iterator[None]:
         """Run code with this device's generator seeded to ``seed``, restoring its state afterwards, so
         that a layer draws the same random numbers in its forward and in its recompute."""
-        with _rng_lock(self.device):
+        lock = _rng_lock(self.device)
+        if not lock.acquire(blocking=False):
+            waited = time.perf_counter()
+            lock.acquire()
+            self.waited += time.perf_counter() - waited
+        with contextlib.ExitStack() as stack:
+            stack.callback(lock.release)
             generator = self._generator()
             state = generator.get_state()
             generator.manual_seed(seed)
@@ -185,6 +206,11 @@ class CudaWorkerDevice(WorkerDevice):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def timer(self, stream: Any) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
 
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
         with torch.cuda.stream(stream):

@@ -15,6 +15,7 @@ and :meth:`submit_step` hands the step to the host optimizer worker (see
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -31,8 +32,18 @@ from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker, StepWindow, UpdateJob, UpdateSpec
+from lightning_roundpipe.runtime.profile import (
+    LayerProfile,
+    busy_seconds,
+    drift,
+    predicted_stage_times,
+    records_complete,
+    stage_times,
+)
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, WorkerPool
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
+from lightning_roundpipe.schedule.partition import LayerCosts, partition
+from lightning_roundpipe.schedule.simulate import simulate
 
 
 class PipelineEngine:
@@ -42,7 +53,11 @@ class PipelineEngine:
         layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are
             moved into the engine's host store and become views of it.
         devices: one :class:`WorkerDevice` per worker (the engine gives them its host pool).
-        plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`.
+        plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`; ``"auto"`` measures the layers
+            for ``profile_steps`` batches (one layer per stage), then partitions them (see
+            :mod:`~lightning_roundpipe.schedule.partition`), and measures stage times every
+            ``check_every`` batches: when they drift from the prediction by more than
+            ``replan_margin`` twice in a row, it measures and partitions again.
         microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
         num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
         compute_dtype: dtype of the parameters uploaded to workers (``None``: the master's dtype).
@@ -57,13 +72,14 @@ class PipelineEngine:
         consistency: ``"layerwise"`` (per-group gates, no barrier) or ``"barrier"``: each step drains
             the pipeline and casts the previous update into the compute copies on the calling thread
             (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
+        memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
     """
 
     def __init__(
         self,
         layers: Sequence[nn.Module],
         devices: Sequence[WorkerDevice],
-        plan: StagePlan | None = None,
+        plan: StagePlan | str | None = None,
         microbatches_per_round: int | None = None,
         num_rounds: int = 1,
         compute_dtype: torch.dtype | None = None,
@@ -73,6 +89,10 @@ class PipelineEngine:
         max_inflight: int = 3,
         asynchronous: bool = False,
         consistency: str = "layerwise",
+        profile_steps: int = 2,
+        replan_margin: float = 0.25,
+        check_every: int = 50,
+        memory_limit: float | None = None,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -81,8 +101,28 @@ class PipelineEngine:
             raise ValueError("the engine needs at least one worker device")
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap={overlap!r} is not one of {OVERLAPS}")
-        self.plan = plan if plan is not None else StagePlan.uniform(len(layers))
+        self.auto_plan = plan == "auto"
+        if isinstance(plan, str) and not self.auto_plan:
+            plan = StagePlan.parse(plan)
+        self.plan: StagePlan = (
+            LayerProfile.plan(len(layers)) if self.auto_plan else plan or StagePlan.uniform(len(layers))  # type: ignore[assignment]
+        )
         self.plan.check_layers(len(layers))
+        self.profile_steps = profile_steps
+        self.replan_margin = replan_margin
+        self.check_every = check_every
+        self.memory_limit = memory_limit
+        self.layer_costs: LayerCosts | None = None
+        """Measured per-layer costs (after profiling), what the plan was computed from."""
+        self.predicted_bubble: float | None = None
+        """The simulator's bubble ratio for the current plan and measured costs."""
+        self.busy: dict[int, float] = {}
+        """Per worker, the fraction of the last measured step its device spent computing."""
+        self._profile: LayerProfile | None = LayerProfile(len(layers)) if self.auto_plan else None
+        self._recording: list[Flight] = []
+        self._drifted = 0
+        self._record_next = False
+        self._submitted: list[float] = []
         self.num_workers = len(devices)
         self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
         if self.microbatches_per_round < self.num_workers:
@@ -145,11 +185,8 @@ class PipelineEngine:
                 )
             )
         self._trainable = tuple(g.index for g in self.store.groups if g.trainable)
-        self._slot_grad_groups = {
-            stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
-            for stage in self.plan.stages()
-        }
-        self._schedules: dict[int, Schedule] = {}
+        self._schedules: dict[tuple[StagePlan, int], Schedule] = {}
+        self._grad_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         self._grad_chain: dict[int, Gate] = {}
         self._optimizer = OptimizerWorker(self.store, self._on_worker_error) if asynchronous else None
         self._pool = WorkerPool(
@@ -172,15 +209,82 @@ class PipelineEngine:
         return self.trace
 
     def schedule(self, first_worker: int) -> Schedule:
-        """The validated schedule of a batch starting at ``first_worker`` (there are N distinct ones)."""
-        if first_worker not in self._schedules:
+        """The validated schedule of a batch starting at ``first_worker`` under the current plan."""
+        key = (self.plan, first_worker)
+        if key not in self._schedules:
             compute_only = round_robin(
                 self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker
             )
             s = add_transfers(compute_only, self.overlap)
             validate(s)
-            self._schedules[first_worker] = s
-        return self._schedules[first_worker]
+            self._schedules[key] = s
+        return self._schedules[key]
+
+    def _slot_grad_groups(self, plan: StagePlan) -> dict[int, tuple[int, ...]]:
+        if plan not in self._grad_groups:
+            self._grad_groups[plan] = {
+                stage.slot: tuple(g for g in self.store.groups_of(stage.layers) if self.store.groups[g].trainable)
+                for stage in plan.stages()
+            }
+        return self._grad_groups[plan]
+
+    # ------------------------------------------------------------------ measuring and planning
+    def replan(self) -> None:
+        """Measure the layers again (one layer per stage) and partition from the new costs."""
+        self._profile = LayerProfile(len(self.layers))
+        self.plan = LayerProfile.plan(len(self.layers))
+        self._drifted = 0
+
+    def measure_next(self) -> None:
+        """Record the next batch's compute times (for :attr:`busy` and drift checks)."""
+        self._record_next = True
+
+    def _wants_record(self) -> bool:
+        if self._profile is not None or self._record_next:
+            return True
+        return self.auto_plan and self.check_every > 0 and self.calls % self.check_every == 0
+
+    def _harvest(self, wait: bool = False) -> None:
+        """Use the timings of recorded batches whose work is done (``wait``: wait for them)."""
+        pending = []
+        for flight in self._recording:
+            done = all(t.done.is_set() for f, tasks in self._live if f is flight for t in tasks)
+            if not done or not (wait or records_complete(flight)):
+                pending.append(flight)
+                continue
+            if wait:
+                for device in self.devices:
+                    device.synchronize()
+            self._use_measurements(flight)
+        self._recording = pending
+
+    def _use_measurements(self, flight: Flight) -> None:
+        if len(self._submitted) >= 2:
+            period = (self._submitted[-1] - self._submitted[0]) / (len(self._submitted) - 1)
+            self.busy = {w: min(1.0, s / period) for w, s in busy_seconds(flight).items()}
+        if self._profile is not None and flight.schedule.plan == LayerProfile.plan(len(self.layers)):
+            self._profile.add(flight)
+            if self._profile.batches >= self.profile_steps:
+                self.layer_costs = self._profile.costs(self.store)
+                self._profile = None
+                self._set_plan(
+                    partition(self.layer_costs, self.num_workers, self.num_microbatches, self.memory_limit).plan
+                )
+            return
+        if self.layer_costs is not None and self.auto_plan and flight.schedule.plan == self.plan:
+            off = drift(stage_times(flight), predicted_stage_times(self.layer_costs, self.plan))
+            self._drifted = self._drifted + 1 if off > self.replan_margin else 0
+            if self._drifted >= 2:
+                self.replan()
+
+    def _set_plan(self, plan: StagePlan) -> None:
+        """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
+        self.plan = plan
+        if self.layer_costs is not None:
+            self.predicted_bubble = simulate(
+                "roundpipe-async" if self.asynchronous else "roundpipe-sync",
+                self.layer_costs, self.num_workers, self.num_microbatches, plan=plan,
+            ).bubble_ratio  # fmt: skip
 
     # ------------------------------------------------------------------ one batch
     def train_batch(
@@ -206,12 +310,18 @@ class PipelineEngine:
             )
         if not self.asynchronous:
             self.store.sync_compute()
+        self._harvest()
         schedule = self.schedule(self.dispatch_position)
+        record = self._wants_record()
+        self._record_next = False
         flight = Flight(
             self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
-            self._abort, self.pool, self._grad_chain, self._slot_grad_groups.__getitem__, self.store.fresh_grads,
-            upload_waits=self._cast_done.get(self.step - 2),
+            self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
+            self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record,
         )  # fmt: skip
+        if record:
+            self._recording.append(flight)
+        self._submitted = [*self._submitted[-7:], time.perf_counter()]
         for m, x in enumerate(mb_inputs):
             flight.put(("act", 0, m), self.pool.stage(x))
         attributes = plain_attributes(self.layers)
@@ -246,6 +356,7 @@ class PipelineEngine:
             error = self._error
             self._recover()
             raise error
+        self._harvest(wait=True)
         return flight.batch_loss()
 
     # ------------------------------------------------------------------ asynchronous optimizer
@@ -294,6 +405,7 @@ class PipelineEngine:
         self._prune()
         if self._error is not None:
             self._fail()
+        self._harvest(wait=True)
 
     def _job_gate(self) -> Gate:
         gate = Gate(self._abort)

@@ -14,6 +14,7 @@ micro-batches ahead of its device, which bounds device memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections import deque
@@ -102,16 +103,23 @@ class StageExecutor:
         self.replicas = [weightless_replica(layer) for layer in layers]
         self._slots_of = [_tensor_slots(replica, refs) for replica, refs in zip(self.replicas, store.layer_tensors)]
         self._on_error = on_error
-        self._stages = plan.stages()
-        self._saved = set(plan.saved_boundaries())
-        self._groups = {s.slot: store.groups_of(s.layers) for s in self._stages}
-        self._trainable = {s: tuple(g for g in gs if store.groups[g].trainable) for s, gs in self._groups.items()}
-        self._pieces: dict[tuple[int, str, int], list[list[tuple[int, int, int]]]] = {}
+        self._tables: dict[StagePlan, tuple[Any, ...]] = {}
+        self._use_plan(plan)
         self._loaded: dict[tuple[int, int], _Loaded] = {}
         self._inflight: deque[Any] = deque()
         self._collecting: list[Gate] = []
         self.trace: list[tuple[Any, ...]] | None = None
         """When a list: (\"action\", worker, batch, action, start time) is appended for every action."""
+
+    def _use_plan(self, plan: StagePlan) -> None:
+        """Stage tables of ``plan`` (cached): the plan may change between batches."""
+        if plan not in self._tables:
+            stages = plan.stages()
+            groups = {s.slot: self.store.groups_of(s.layers) for s in stages}
+            trainable = {k: tuple(g for g in gs if self.store.groups[g].trainable) for k, gs in groups.items()}
+            self._tables[plan] = (stages, set(plan.saved_boundaries()), groups, trainable, {})
+        self.plan = plan
+        self._stages, self._saved, self._groups, self._trainable, self._pieces = self._tables[plan]
 
     # ------------------------------------------------------------------ one batch
     def run(
@@ -122,6 +130,7 @@ class StageExecutor:
         for replica, layer_attributes in zip(self.replicas, attributes):
             for module, values in zip(replica.modules(), layer_attributes):
                 module.__dict__.update(values)
+        self._use_plan(flight.schedule.plan)
         try:
             for action in actions:
                 if flight.abort.is_set():
@@ -331,11 +340,14 @@ class StageExecutor:
         with dev.on(dev.compute), torch.no_grad():
             weights = self._slot_tensors(stage, action)
             dev.wait(dev.compute, ready)
+            start = dev.timer(dev.compute) if flight.record else None
             for i in stage.layers:
                 if i in self._saved and i != stage.start:
                     flight.put(("act", i, m), dev.download(x, dev.record(dev.compute)))
                 x = self._layer(i, weights, x, flight, m)
             done = dev.record(dev.compute)
+            if flight.record:
+                flight.records.setdefault(dev.index, []).append((action, start, None, dev.timer(dev.compute), 0))
         flight.put(("act", stage.stop, m), dev.download(x, done))
         self._finish((action.round, action.slot), done)
 
@@ -366,7 +378,10 @@ class StageExecutor:
             leaves, spec = tree_flatten(x)
             if stage.start > 0:
                 leaves = [t.requires_grad_() if _differentiable(t) else t for t in leaves]
-            with torch.enable_grad():
+            start = dev.timer(dev.compute) if flight.record else None
+            weights_storage = {flat.untyped_storage().data_ptr() for flat in weights_flats(self._loaded, action)}
+            saved = _SavedBytes(weights_storage) if flight.record else contextlib.nullcontext()
+            with torch.enable_grad(), saved:
                 # Layers get non-leaf copies, so an in-place first operation (ReLU(inplace=True)) is legal.
                 x = tree_unflatten(
                     [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves], spec
@@ -390,10 +405,14 @@ class StageExecutor:
                         if g is not None and isinstance(o, Tensor) and o.requires_grad
                     ]
                     roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+            mid = dev.timer(dev.compute) if flight.record else None
             if roots:
                 torch.autograd.backward(roots, root_grads)
                 self._loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
+            if flight.record:
+                end = dev.timer(dev.compute)
+                flight.records.setdefault(dev.index, []).append((action, start, mid, end, saved.bytes))
         if fused:
             flight.set_loss(m, dev.download(weighted, done))
         if stage.start > 0:
@@ -413,6 +432,29 @@ def _tensor_slots(replica: nn.Module, refs: Sequence[Any]) -> list[tuple[str, di
         table = owner._parameters if attr in owner._parameters else owner._buffers
         slots.append((ref.name, table, attr, table[attr]))
     return slots
+
+
+def weights_flats(loaded: dict[tuple[int, int], _Loaded], action: Action) -> list[Tensor]:
+    entry = loaded[(action.round, action.slot)]
+    return [*entry.flats.values(), *entry.grads.values()]
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the activation bytes autograd saves for backward inside the block (each storage once;
+    the stage's weights, which it saves too, excluded)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.bytes = 0
+        seen: set[int] = set(exclude)
+
+        def pack(t: Tensor) -> Tensor:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
 
 
 def _differentiable(t: Any) -> bool:

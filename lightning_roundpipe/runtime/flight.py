@@ -51,6 +51,7 @@ class Flight:
         groups_of_slot: Callable[[int], tuple[int, ...]],
         fresh_grads: set[int],
         upload_waits: dict[int, Gate] | None = None,
+        record: bool = False,
     ) -> None:
         self.call = call
         self.schedule = schedule
@@ -64,6 +65,10 @@ class Flight:
         self._gates: list[Gate] = []
         self.loss_ready = [self.gate() for _ in targets]
         self.upload_waits = upload_waits or {}
+        self.record = record
+        """Record compute timings: per worker, (action, start, after forward, end, saved bytes) with
+        timer points of that worker's device (``after forward`` is ``None`` for forward actions)."""
+        self.records: dict[int, list[tuple[Any, ...]]] = {}
         """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)

@@ -73,7 +73,9 @@ class Infeasible(ValueError):
 
 
 def objective(num_slots: int, t_max: float, microbatches: int, workers: int) -> float:
-    return (microbatches * num_slots + workers * (workers - 1)) * t_max
+    """Total device time of one iteration. A round of fewer slots than workers leaves workers idle as if
+    it had ``workers`` slots, so it is charged that many (the paper's formula assumes ``S >= N``)."""
+    return (microbatches * max(num_slots, workers) + workers * (workers - 1)) * t_max
 
 
 def partition(costs: LayerCosts, workers: int, microbatches: int, memory_limit: float | None = None) -> Partition:
@@ -111,8 +113,31 @@ def partition(costs: LayerCosts, workers: int, microbatches: int, memory_limit: 
     obj, _, t_max = best[0]
     if obj == float("inf"):
         raise Infeasible(packer.infeasibility())
-    plan = packer.plan(t_max)
+    plan = spread(packer.plan(t_max), workers)
     return Partition(plan, t_max, objective(plan.num_slots, t_max, microbatches, workers))
+
+
+def spread(plan: StagePlan, workers: int) -> StagePlan:
+    """Split multi-layer stages (the largest first) toward ``workers`` slots, so every worker has a
+    stage. Splitting the fused stage hands its lower half to a new forward stage and a new backward
+    stage (two slots; only while that does not overshoot). No stage gets slower and the objective,
+    which charges fewer slots than workers as ``workers``, does not change."""
+    forward, backward = list(plan.forward), list(plan.backward)
+    while len(forward) + len(backward) < workers:
+        sizes = [(n, "f", i) for i, n in enumerate(forward) if n > 1]
+        sizes += [(n, "b", i) for i, n in enumerate(backward) if i > 0 and n > 1]
+        if sizes:
+            n, side, i = max(sizes)
+            parts = forward if side == "f" else backward
+            parts[i : i + 1] = [n - n // 2, n // 2]
+        elif backward[0] > 1 and len(forward) + len(backward) + 2 <= workers:  # adds two slots
+            lower = backward[0] // 2
+            backward[0] -= lower
+            forward.append(lower)
+            backward.insert(1, lower)
+        else:
+            break
+    return StagePlan(tuple(forward), tuple(backward))
 
 
 class _Packer:

@@ -1,0 +1,111 @@
+"""Measured costs: per-layer times and memory from recorded batches, per-worker busy time, stage times.
+
+A batch runs with ``flight.record`` set: each worker notes, for every compute action, timer points
+before its forward, after its forward (and loss), after its backward, and the activation bytes
+autograd saved. Under the profiling plan (one layer per stage) each action is one layer, so its
+times are that layer's; under any plan they give stage times and each worker's busy time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import fmean
+
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.flight import Flight
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.plan import StagePlan
+
+
+def records_complete(flight: Flight) -> bool:
+    """Whether every timer point of the flight has been reached (device events complete)."""
+    for records in flight.records.values():
+        if records:
+            end = records[-1][3]
+            if not isinstance(end, float) and not end.query():
+                return False
+    return True
+
+
+def stage_times(flight: Flight) -> dict[int, list[float]]:
+    """Per slot, the compute time of each of its micro-batches (seconds)."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for records in flight.records.values():
+        for action, start, _, end, _ in records:
+            out[action.slot].append(WorkerDevice.elapsed(start, end))
+    return out
+
+
+def busy_seconds(flight: Flight) -> dict[int, float]:
+    """Per worker, seconds its device spent computing this batch."""
+    return {
+        worker: sum(WorkerDevice.elapsed(start, end) for _, start, _, end, _ in records)
+        for worker, records in flight.records.items()
+    }
+
+
+class LayerProfile:
+    """Per-layer samples gathered under the profiling plan (one layer per stage)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.forward: dict[int, list[float]] = defaultdict(list)
+        self.recompute: dict[int, list[float]] = defaultdict(list)
+        self.backward: dict[int, list[float]] = defaultdict(list)
+        self.activations: dict[int, list[int]] = defaultdict(list)
+        self.batches = 0
+
+    @staticmethod
+    def plan(num_layers: int) -> StagePlan:
+        return StagePlan.uniform(num_layers, forward_size=1, backward_size=1)
+
+    def add(self, flight: Flight) -> None:
+        stages = flight.schedule.plan.stages()
+        for records in flight.records.values():
+            for action, start, mid, end, saved in records:
+                layer = stages[action.slot].start
+                if mid is None:
+                    self.forward[layer].append(WorkerDevice.elapsed(start, end))
+                else:
+                    self.recompute[layer].append(WorkerDevice.elapsed(start, mid))
+                    self.backward[layer].append(WorkerDevice.elapsed(mid, end))
+                    self.activations[layer].append(saved)
+        self.batches += 1
+
+    def costs(self, store: HostStore) -> LayerCosts:
+        """Mean times per layer and memory from the store; the last layer's forward is its recompute
+        (it only runs in the fused stage, where forward and recompute are one)."""
+        L = self.num_layers
+        forward = [fmean(self.forward[i]) if self.forward[i] else fmean(self.recompute[i]) for i in range(L)]
+        backward = [fmean(self.recompute[i]) + fmean(self.backward[i]) for i in range(L)]
+        params, grads = layer_bytes(store)
+        acts = [int(fmean(self.activations[i])) for i in range(L)]
+        return LayerCosts(tuple(forward), tuple(backward), tuple(params), tuple(grads), (0,) * L, tuple(acts))
+
+
+def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:
+    """Per layer, bytes of the compute copies it uploads and of the gradients it produces on a device."""
+    params, grads = [0] * store.num_layers, [0] * store.num_layers
+    for group in store.groups:
+        nbytes = group.compute.numel() * group.compute.element_size()
+        params[group.layer] += nbytes
+        if group.trainable:
+            grads[group.layer] += nbytes
+    return params, grads
+
+
+def predicted_stage_times(costs: LayerCosts, plan: StagePlan) -> list[float]:
+    return [sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in plan.stages()]
+
+
+def drift(measured: dict[int, list[float]], predicted: list[float]) -> float:
+    """How far measured stage times moved from the prediction, relative to the slowest predicted stage
+    (so noise in tiny stages does not count, a stage becoming a bottleneck does)."""
+    scale = max(predicted) if predicted else 0.0
+    if scale <= 0:
+        return 0.0
+    return max(
+        (abs(fmean(measured[slot]) - want) / scale for slot, want in enumerate(predicted) if measured.get(slot)),
+        default=0.0,
+    )

@@ -1,0 +1,119 @@
+"""Automatic planning: measure one layer per stage, partition, switch; measure again when costs drift."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import relative_error
+from torch import nn
+
+from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.runtime.profile import LayerProfile
+
+_SLOW = {"layer": 4, "seconds": 0.02}
+
+
+class Napping(nn.Module):
+    """A linear layer that sleeps while it is the slow one."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if _SLOW["layer"] == self.index:
+            time.sleep(_SLOW["seconds"])
+        return torch.tanh(self.linear(x))
+
+
+def model(layers: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Napping(i) for i in range(layers)))
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+@pytest.mark.timeout(120)
+def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact():
+    _SLOW.update(layer=4)
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = PipelineEngine(
+        list(net.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=2,
+        microbatches_per_round=2, check_every=0,
+    )  # fmt: skip
+    try:
+        assert engine.plan == LayerProfile.plan(8)
+        for s in range(3):
+            x, y = batch(s)
+            engine.train_batch(x, y, F.mse_loss)
+            engine.store.install_grads()
+            reference.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            for p, q in zip(net.parameters(), reference.parameters()):
+                assert relative_error(p.grad, q.grad) <= 1e-5  # the same numbers under every plan
+            engine.store.clear_grads()
+        costs = engine.layer_costs
+        assert costs is not None and engine.plan != LayerProfile.plan(8)
+        assert costs.forward[4] > 5 * max(costs.forward[i] for i in range(8) if i != 4)
+        assert costs.backward[4] > 5 * max(costs.backward[i] for i in range(8) if i != 4)
+        # the plan is the partitioner's answer for the measured costs (its optimality is tested elsewhere)
+        from lightning_roundpipe.schedule.partition import partition
+
+        assert engine.plan == partition(costs, 2, engine.num_microbatches).plan
+        assert engine.predicted_bubble is not None and 0 <= engine.predicted_bubble < 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_drifting_costs_bring_a_new_measurement_and_plan():
+    _SLOW.update(layer=4)
+    net = model()
+    engine = PipelineEngine(
+        list(net.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=1, replan_margin=0.5,
+    )  # fmt: skip
+    try:
+        engine.train_batch(*batch(0), F.mse_loss)
+        first = engine.plan
+        assert first != LayerProfile.plan(8)
+        for s in range(2):  # stable costs: the plan stays
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.plan == first
+        before = engine.layer_costs
+        assert before is not None
+        _SLOW.update(seconds=0.06)  # the slow layer gets three times slower: its stage drifts
+        for s in range(4):
+            engine.train_batch(*batch(s), F.mse_loss)
+        after = engine.layer_costs
+        assert after is not None and after is not before  # measured again
+        assert after.forward[4] > 2 * before.forward[4]
+    finally:
+        _SLOW.update(layer=4, seconds=0.02)
+        engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_replan_on_request_and_busy_fractions():
+    engine = PipelineEngine(list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,3|2,2,2,2")
+    try:
+        assert engine.layer_costs is None
+        engine.replan()
+        assert engine.plan == LayerProfile.plan(8)
+        for s in range(3):
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.layer_costs is not None
+        engine.measure_next()
+        engine.train_batch(*batch(9), F.mse_loss)
+        assert engine.busy and all(0 < b <= 1 for b in engine.busy.values())
+    finally:
+        engine.close()
