@@ -77,16 +77,24 @@ class WorkerDevice:
         """Wait for everything issued on this device."""
 
     def timer(self, stream: Any) -> Any:
-        """A point in time on ``stream`` for :meth:`elapsed`. The CPU stand-in's clock leaves out time
-        spent waiting for another worker (CPU workers share one generator): it measures compute."""
-        return time.perf_counter() - self.waited
+        """A point in time on ``stream`` for :meth:`elapsed` and :meth:`since`. The CPU stand-in notes
+        the clock and how long the worker has waited for another worker so far (CPU workers share one
+        generator), so that durations count compute only."""
+        return (time.perf_counter(), self.waited)
 
     @staticmethod
     def elapsed(start: Any, end: Any) -> float:
-        """Seconds between two :meth:`timer` points (device events must have completed)."""
-        if isinstance(start, float):
-            return end - start
+        """Compute seconds between two :meth:`timer` points (device events must have completed)."""
+        if isinstance(start, tuple):
+            return (end[0] - start[0]) - (end[1] - start[1])
         return start.elapsed_time(end) / 1e3
+
+    @staticmethod
+    def since(reference: Any, point: Any) -> float:
+        """Wall seconds from ``reference`` to ``point`` (for timelines)."""
+        if isinstance(reference, tuple):
+            return point[0] - reference[0]
+        return reference.elapsed_time(point) / 1e3
 
     # ------------------------------------------------------------------ memory and copies
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:

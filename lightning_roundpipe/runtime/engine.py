@@ -39,6 +39,7 @@ from lightning_roundpipe.runtime.profile import (
     predicted_stage_times,
     records_complete,
     stage_times,
+    timeline,
 )
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, WorkerPool
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
@@ -118,6 +119,8 @@ class PipelineEngine:
         """The simulator's bubble ratio for the current plan and measured costs."""
         self.busy: dict[int, float] = {}
         """Per worker, the fraction of the last measured step its device spent computing."""
+        self.last_timeline: list[tuple[int, str, float, float]] = []
+        """(worker, action, start, end) of the last measured batch (see :func:`profile.timeline`)."""
         self._profile: LayerProfile | None = LayerProfile(len(layers)) if self.auto_plan else None
         self._recording: list[Flight] = []
         self._drifted = 0
@@ -259,6 +262,7 @@ class PipelineEngine:
         self._recording = pending
 
     def _use_measurements(self, flight: Flight) -> None:
+        self.last_timeline = timeline(flight)
         if len(self._submitted) >= 2:
             period = (self._submitted[-1] - self._submitted[0]) / (len(self._submitted) - 1)
             self.busy = {w: min(1.0, s / period) for w, s in busy_seconds(flight).items()}

@@ -131,6 +131,8 @@ class StageExecutor:
             for module, values in zip(replica.modules(), layer_attributes):
                 module.__dict__.update(values)
         self._use_plan(flight.schedule.plan)
+        if flight.record:
+            flight.references[self.device.index] = (self.device.timer(self.device.compute), time.perf_counter())
         try:
             for action in actions:
                 if flight.abort.is_set():

@@ -69,6 +69,8 @@ class Flight:
         """Record compute timings: per worker, (action, start, after forward, end, saved bytes) with
         timer points of that worker's device (``after forward`` is ``None`` for forward actions)."""
         self.records: dict[int, list[tuple[Any, ...]]] = {}
+        self.references: dict[int, tuple[Any, float]] = {}
+        """Per worker, a timer point and the host clock when its job started (for timelines)."""
         """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)

@@ -23,9 +23,23 @@ def records_complete(flight: Flight) -> bool:
     for records in flight.records.values():
         if records:
             end = records[-1][3]
-            if not isinstance(end, float) and not end.query():
+            if not isinstance(end, tuple) and not end.query():
                 return False
     return True
+
+
+def timeline(flight: Flight) -> list[tuple[int, str, float, float]]:
+    """(worker, action, start, end) of a recorded batch, seconds from its first worker's start. Workers
+    are aligned by the host time their job started: exact on CPU, approximate across GPUs."""
+    origin = min(host for _, host in flight.references.values())
+    out = []
+    for worker, records in flight.records.items():
+        reference, host = flight.references[worker]
+        offset = host - origin
+        for action, start, _, end, _ in records:
+            begin = offset + WorkerDevice.since(reference, start)
+            out.append((worker, str(action), begin, begin + WorkerDevice.elapsed(start, end)))
+    return sorted(out, key=lambda row: (row[0], row[2]))
 
 
 def stage_times(flight: Flight) -> dict[int, list[float]]:

@@ -1,0 +1,51 @@
+"""``RoundPipeMonitor`` logs per-worker numbers, writes layer costs and a timeline."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import lightning as L
+import pytest
+from helpers import BoringPipeline, boring_data
+
+from lightning_roundpipe import RoundPipeMonitor, RoundPipeStrategy
+
+
+def test_monitor_logs_and_writes_files(tmp_path):
+    monitor = RoundPipeMonitor(timeline=tmp_path / "timeline.json", layer_costs=tmp_path / "costs.json")
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3, profile_steps=2), accelerator="cpu", devices=2,
+        max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[monitor], enable_progress_bar=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(BoringPipeline(), boring_data())
+    rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
+    keys = set().union(*(r.keys() for r in rows))
+    for key in (
+        "roundpipe/busy_worker0",
+        "roundpipe/busy_worker1",
+        "roundpipe/bubble_measured",
+        "roundpipe/bubble_predicted",
+        "roundpipe/stages",
+        "roundpipe/h2d_gbps",
+        "roundpipe/host_rss_gib",
+    ):
+        assert key in keys, key  # fmt: skip
+    measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]
+    assert measured and all(0 <= b < 1 for b in measured)
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert len(costs["layers"]) == 9 and costs["plan"]
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in trace} == {0, 1} and all(e["dur"] >= 0 for e in trace)
+
+
+def test_monitor_refuses_a_trainer_without_loggers_or_another_strategy(tmp_path):
+    with pytest.raises(Exception, match="logger=False"):
+        L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, logger=False, callbacks=[RoundPipeMonitor()],
+                  max_steps=1, enable_progress_bar=False).fit(BoringPipeline(), boring_data())  # fmt: skip
+    with pytest.raises(Exception, match="reports on `Trainer\\(strategy='roundpipe'\\)`"):
+        L.Trainer(accelerator="cpu", devices=1, callbacks=[RoundPipeMonitor()], max_steps=1,
+                  enable_progress_bar=False, default_root_dir=tmp_path).fit(BoringPipeline(), boring_data())  # fmt: skip
