@@ -22,7 +22,8 @@ def test_monitor_logs_and_writes_files(tmp_path):
         enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(BoringPipeline(), boring_data())
-    rows = list(csv.DictReader(open(logger.log_dir + "/metrics.csv")))
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     keys = set().union(*(r.keys() for r in rows))
     for key in (
         "roundpipe/busy_worker0",
@@ -47,5 +48,6 @@ def test_monitor_refuses_a_trainer_without_loggers_or_another_strategy(tmp_path)
         L.Trainer(strategy="roundpipe", accelerator="cpu", devices=2, logger=False, callbacks=[RoundPipeMonitor()],
                   max_steps=1, enable_progress_bar=False).fit(BoringPipeline(), boring_data())  # fmt: skip
     with pytest.raises(Exception, match="reports on `Trainer\\(strategy='roundpipe'\\)`"):
-        L.Trainer(accelerator="cpu", devices=1, callbacks=[RoundPipeMonitor()], max_steps=1,
-                  enable_progress_bar=False, default_root_dir=tmp_path).fit(BoringPipeline(), boring_data())  # fmt: skip
+        trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[RoundPipeMonitor()], max_steps=1,
+                            enable_progress_bar=False, default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(BoringPipeline(), boring_data())
