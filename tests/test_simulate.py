@@ -33,9 +33,9 @@ def test_roundpipe_sync_bubble_is_the_papers_formula_and_async_removes_it(worker
     costs = LayerCosts((1.0,) * 12, (3.0,) * 12)
     s = plan.num_slots
     even = [3.0] * s
-    sync = roundpipe(costs, plan, workers, microbatches, iterations=4, asynchronous=False, stage_times=even)
+    sync = roundpipe(costs, plan, workers, microbatches, iterations=4, asynchronous=False, slot_times=even)
     assert sync.bubble_ratio == pytest.approx(workers * (workers - 1) / (microbatches * s + workers * (workers - 1)))
-    flowing = roundpipe(costs, plan, workers, microbatches, iterations=4, asynchronous=True, stage_times=even)
+    flowing = roundpipe(costs, plan, workers, microbatches, iterations=4, asynchronous=True, slot_times=even)
     assert flowing.bubble_ratio == pytest.approx(0.0, abs=1e-12)
 
 

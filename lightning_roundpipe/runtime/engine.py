@@ -36,7 +36,6 @@ from lightning_roundpipe.runtime.profile import (
     LayerProfile,
     busy_seconds,
     drift,
-    predicted_stage_times,
     records_complete,
     stage_times,
     timeline,
@@ -44,6 +43,7 @@ from lightning_roundpipe.runtime.profile import (
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, WorkerPool
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
 from lightning_roundpipe.schedule.partition import LayerCosts, partition
+from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
 from lightning_roundpipe.schedule.simulate import simulate
 
 
@@ -276,7 +276,7 @@ class PipelineEngine:
                 )
             return
         if self.layer_costs is not None and self.auto_plan and flight.schedule.plan == self.plan:
-            off = drift(stage_times(flight), predicted_stage_times(self.layer_costs, self.plan))
+            off = drift(stage_times(flight), stage_times_of_plan(self.layer_costs, self.plan))
             self._drifted = self._drifted + 1 if off > self.replan_margin else 0
             if self._drifted >= 2:
                 self.replan()

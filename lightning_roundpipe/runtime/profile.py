@@ -109,10 +109,6 @@ def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:
     return params, grads
 
 
-def predicted_stage_times(costs: LayerCosts, plan: StagePlan) -> list[float]:
-    return [sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in plan.stages()]
-
-
 def drift(measured: dict[int, list[float]], predicted: list[float]) -> float:
     """How far measured stage times moved from the prediction, relative to the slowest predicted stage
     (so noise in tiny stages does not count, a stage becoming a bottleneck does)."""

@@ -61,6 +61,11 @@ class LayerCosts:
         return len(self.forward)
 
 
+def stage_times(costs: LayerCosts, plan: StagePlan) -> list[float]:
+    """Each slot's time under ``plan``: forward stages sum forward times, the others recompute+backward."""
+    return [sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in plan.stages()]
+
+
 @dataclass(frozen=True)
 class Partition:
     plan: StagePlan

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_roundpipe.schedule.dispatch import round_robin
-from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.partition import LayerCosts, stage_times
 from lightning_roundpipe.schedule.plan import StagePlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "roundpipe-sync", "roundpipe-async")
@@ -109,14 +109,11 @@ def roundpipe(
     iterations: int = 4,
     asynchronous: bool = True,
     rounds: int = 1,
-    stage_times: Sequence[float] | None = None,
+    slot_times: Sequence[float] | None = None,
 ) -> Timeline:
     """RoundPipe over ``iterations`` steps of ``microbatches`` (``rounds`` rounds each)."""
     stages = plan.stages()
-    if stage_times is None:
-        stage_times = [
-            sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in stages
-        ]
+    times = stage_times(costs, plan) if slot_times is None else list(slot_times)
     mb_per_round = microbatches // rounds
     tasks: list[Task] = []
     order: list[list[int]] = [[] for _ in range(workers)]
@@ -131,7 +128,7 @@ def roundpipe(
                 assert a.microbatch is not None
                 index[(a.slot, a.microbatch)] = len(tasks)
                 label = f"{it}:{a.op.value}{a.slot}.{a.microbatch}"
-                tasks.append(Task(w, label, stage_times[a.slot], [] if asynchronous else list(barrier), it))
+                tasks.append(Task(w, label, times[a.slot], [] if asynchronous else list(barrier), it))
                 order[w].append(len(tasks) - 1)
         for (slot, m), i in index.items():
             if slot > 0:  # a micro-batch leaves one slot for the next
@@ -253,6 +250,11 @@ def _worker_order(
     raise ValueError(f"unknown schedule {kind!r}; choose from {SCHEDULES}")
 
 
+def _chunks(schedule: str, chunks: int) -> int:
+    """Stages per worker: looped schedules hold ``chunks``, the others one."""
+    return chunks if schedule in ("interleaved-1f1b", "looped-bfs") else 1
+
+
 def simulate(
     schedule: str,
     costs: LayerCosts,
@@ -269,8 +271,7 @@ def simulate(
         return roundpipe(costs, plan, workers, microbatches, iterations, schedule == "roundpipe-async")
     if schedule == "interleaved-1f1b" and microbatches % workers:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({microbatches}) in multiples of workers ({workers})")
-    v = chunks if schedule in ("interleaved-1f1b", "looped-bfs") else 1
-    return _bound(costs, workers, microbatches, v, iterations, schedule)
+    return _bound(costs, workers, microbatches, _chunks(schedule, chunks), iterations, schedule)
 
 
 @dataclass(frozen=True)
@@ -294,13 +295,12 @@ def bubbles(
     actual = simulate(schedule, costs, workers, microbatches, plan, chunks, iterations)
     if schedule.startswith("roundpipe"):
         assert plan is not None
-        stages = plan.stages()
-        times = [sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in stages]
+        times = stage_times(costs, plan)
         mean = sum(times) / len(times)
         even = roundpipe(costs, plan, workers, microbatches, iterations, schedule == "roundpipe-async",
-                         stage_times=[mean] * len(times))  # fmt: skip
+                         slot_times=[mean] * len(times))  # fmt: skip
     else:
-        v = chunks if schedule in ("interleaved-1f1b", "looped-bfs") else 1
+        v = _chunks(schedule, chunks)
         bounds = balanced_stages(costs, workers * v)
         fwd = [sum(costs.forward[a:b]) for a, b in bounds]
         bwd = [sum(costs.backward[a:b]) for a, b in bounds]
