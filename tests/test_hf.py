@@ -51,8 +51,9 @@ def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3):
     )
     try:
         ids = batch["input_ids"]
-        pos = torch.arange(ids.shape[1]).expand_as(ids)
-        inputs = (ids, batch["attention_mask"], pos, batch["labels"])
+        pos = batch.get("position_ids", torch.arange(ids.shape[1]).expand_as(ids))
+        mask, pos = hf.plain_inputs(batch.get("attention_mask"), pos)  # as the Interceptor does
+        inputs = (ids, mask, pos, batch["labels"])
         loss = engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
         engine.store.install_grads()
         return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -79,6 +80,38 @@ def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied):
     if tied:  # one parameter, one gradient holding both uses
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert "lm_head.weight" not in grads
+
+
+def test_plain_inputs_drop_masks_and_positions_that_say_nothing():
+    ones, positions = torch.ones(2, 5, dtype=torch.long), torch.arange(5).expand(2, 5)
+    assert hf.plain_inputs(ones, positions) == (None, None)
+    padded = ones.clone()
+    padded[1, -2:] = 0
+    packed = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    mask, pos = hf.plain_inputs(padded, packed)
+    assert mask is padded and pos is packed
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_unpadded_and_packed_batches_equal_the_model_run_directly(packed):
+    model = tiny("qwen3")
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["labels"] = batch["input_ids"].clone()
+    if packed:  # two documents per row, as sequence packing without padding makes them
+        batch["position_ids"] = torch.cat([torch.arange(4), torch.arange(6)]).expand_as(batch["input_ids"])
+        del batch["attention_mask"]
+    loss, grads = engine_loss_and_grads(model, batch, plan=StagePlan.parse("2,1|2,1,2"))
+    want = reference(**batch, use_cache=False)  # with a cache, transformers ignores the packing
+    want.loss.backward()
+    assert relative_error(loss, want.loss.detach()) <= 1e-5
+    for name, p in reference.named_parameters():
+        assert relative_error(grads[name], p.grad) <= 1e-5, name
+    if packed:  # the packing changed the numbers: the block-diagonal mask was applied
+        plain = copy.deepcopy(reference)
+        del batch["position_ids"]
+        assert relative_error(plain(**batch, use_cache=False).loss.detach(), want.loss.detach()) > 1e-4
 
 
 class HFModule(L.LightningModule):

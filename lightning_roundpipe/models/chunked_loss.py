@@ -10,9 +10,10 @@ The algorithm, for hidden states ``h`` (T x H), head weight ``W`` (V x H) and la
    and ``dW += dlogits^T h_c``. Then drop the chunk's logits.
 4. Backward only scales the stored ``dh`` and ``dW`` by the incoming gradient.
 
-Peak extra memory is one chunk of fp32 logits (reused for their gradient) plus ``dW`` in fp32,
-instead of ``T x V`` logits and their gradient. The matmuls run in the compute dtype (bf16 under
-autocast) with fp32 accumulation; only the per-chunk sums into ``dW`` are fp32 adds.
+Peak extra memory is ``dW`` in fp32 plus one chunk of fp32 logits (reused for their gradient) and
+its low-precision copy, instead of ``T x V`` logits and their gradient: it does not grow with ``T``.
+The matmuls run in the compute dtype (bf16 under autocast) with fp32 accumulation. On CUDA they
+write fp32 directly (``out_dtype``), so neither the logits nor ``dW``'s per-chunk term exist twice.
 """
 
 from __future__ import annotations
@@ -21,6 +22,32 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+_FP32_OUT = {"mm": True, "addmm": True}  # turned off where this build of torch lacks the kernels
+
+
+def _low_precision_cuda(t: Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _logits_fp32(h: Tensor, w: Tensor) -> Tensor:
+    if _FP32_OUT["mm"] and _low_precision_cuda(h):
+        try:
+            return torch.mm(h, w.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT["mm"] = False
+    return (h @ w.T).float()
+
+
+def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` possibly low precision."""
+    if _FP32_OUT["addmm"] and _low_precision_cuda(a):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT["addmm"] = False
+    acc.add_(a @ b)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -42,14 +69,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk_size]
             y = labels[start : start + chunk_size]
             keep = counted[start : start + chunk_size]
-            logits = (h @ w.T).float()
-            lse = torch.logsumexp(logits, dim=-1)
+            logits = _logits_fp32(h, w)
             safe_y = torch.where(keep, y, torch.zeros_like(y))
             picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            # log-sum-exp in the logits' own memory (torch.logsumexp would allocate a second chunk)
+            top = logits.amax(dim=-1)
+            exps = logits.sub_(top[:, None]).exp_()
+            sums = exps.sum(dim=-1)
+            lse = top + sums.log()
             total += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' memory
+            probs = exps.div_(sums[:, None])  # softmax
             probs.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
             probs.mul_((keep.float() / denom)[:, None])
             g = probs.to(compute_dtype)
@@ -57,7 +88,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = g @ w
             if grad_weight is not None:
-                grad_weight.add_(g.T @ h)  # matmul in the compute dtype, summed over chunks in fp32
+                _accumulate_fp32(grad_weight, g.T, h)  # matmul in the compute dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / denom
@@ -66,7 +97,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
-        dw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
+        dw = None
+        if grad_weight is not None:  # scaled straight into the weight's dtype: no fp32 temporary
+            dw = torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device)
+            torch.mul(grad_weight, grad_output, out=dw)
         return dh, dw, None, None, None
 
 

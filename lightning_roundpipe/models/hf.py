@@ -27,7 +27,7 @@ from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
 
 IGNORE_INDEX = -100
 
-State = tuple[Tensor, Tensor | None, Tensor, Tensor | None, tuple[Tensor, Tensor, Tensor] | None]
+State = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, tuple[Tensor, Tensor, Tensor] | None]
 """What travels between stages: hidden states, 2-D padding mask, position ids, labels, and the router
 sums (tokens per expert, router probability per expert, counted rows) of the layers so far."""
 
@@ -41,7 +41,7 @@ class InputStage(nn.Module):
         self.num_experts = num_experts
         """Non-zero when the model's load-balancing loss is computed (``output_router_logits``)."""
 
-    def forward(self, batch: tuple[Tensor, Tensor | None, Tensor, Tensor | None]) -> State:
+    def forward(self, batch: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]) -> State:
         input_ids, attention_mask, position_ids, labels = batch
         hidden = self.embed_tokens(input_ids)
         sums = None
@@ -70,8 +70,12 @@ class DecoderStage(nn.Module):
         make_mask = (
             masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
         )
-        # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose
+        # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
+        # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
         mask = make_mask(self.config, hidden, attention_mask, None, position_ids=position_ids)
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
         router = _router_of(self.layer) if sums is not None else None
         logits: list[Tensor] = []
         handle = None
@@ -83,8 +87,8 @@ class DecoderStage(nn.Module):
             out = self.layer(
                 hidden,
                 attention_mask=mask,
-                position_ids=position_ids,
-                position_embeddings=self.rotary_emb(hidden, position_ids),
+                position_ids=positions,
+                position_embeddings=self.rotary_emb(hidden, positions),
             )
         finally:
             if handle is not None:
@@ -205,6 +209,19 @@ def build_layers(model: nn.Module) -> list[nn.Module]:
     return PRESETS[name](hf)
 
 
+def plain_inputs(attention_mask: Tensor | None, position_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``None`` for a padding mask of all ones and for positions ``0..T-1`` in every row: what they mean
+    is then the causal mask alone. Decided once per batch, on the host; passed on, transformers' mask
+    functions check them on the GPU in every layer, and each check waits for the GPU (a host sync)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+        attention_mask = None
+    if position_ids is not None:
+        arange = torch.arange(position_ids.shape[-1], device=position_ids.device)
+        if bool((position_ids == arange).all()):
+            position_ids = None
+    return attention_mask, position_ids
+
+
 class Interceptor:
     """Routes the Hugging Face model's ``forward`` through the pipeline during training steps.
 
@@ -248,8 +265,7 @@ class Interceptor:
             raise ValueError("roundpipe needs `input_ids` (inputs_embeds are not supported)")
         if labels is None:
             raise ValueError("roundpipe computes the loss inside the pipeline: pass `labels`")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        attention_mask, position_ids = plain_inputs(attention_mask, position_ids)
         loss = self._run((input_ids, attention_mask, position_ids, labels), labels)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 

@@ -125,7 +125,7 @@ class PipelineEngine:
         self._recording: list[Flight] = []
         self._drifted = 0
         self._record_next = False
-        self._submitted: list[float] = []
+        self._submitted: dict[int, float] = {}  # call -> when it was submitted (recent calls only)
         self.num_workers = len(devices)
         self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
         if self.microbatches_per_round < self.num_workers:
@@ -263,8 +263,8 @@ class PipelineEngine:
 
     def _use_measurements(self, flight: Flight) -> None:
         self.last_timeline = timeline(flight)
-        if len(self._submitted) >= 2:
-            period = (self._submitted[-1] - self._submitted[0]) / (len(self._submitted) - 1)
+        period = self._period(flight.call)
+        if period is not None:
             self.busy = {w: min(1.0, s / period) for w, s in busy_seconds(flight).items()}
         if self._profile is not None and flight.schedule.plan == LayerProfile.plan(len(self.layers)):
             self._profile.add(flight)
@@ -280,6 +280,19 @@ class PipelineEngine:
             self._drifted = self._drifted + 1 if off > self.replan_margin else 0
             if self._drifted >= 2:
                 self.replan()
+
+    def _period(self, call: int) -> float | None:
+        """The step time a batch's busy fraction is taken over: the mean interval between submissions
+        over the (up to) four steps ending with the next batch's submission. One interval alone is
+        noisy (a step that waited for an update is long, the one after it short); intervals long
+        before the batch (profiling, another plan) say nothing about it. Without a next batch yet (a
+        flush), the intervals up to the latest submission."""
+        times = self._submitted
+        last = call + 1 if call + 1 in times else max(times, default=call)
+        first = max(min(times, default=last), last - 4)
+        if last <= first:
+            return None
+        return (times[last] - times[first]) / (last - first)
 
     def _set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
@@ -314,6 +327,8 @@ class PipelineEngine:
             )
         if not self.asynchronous:
             self.store.sync_compute()
+        self._submitted = {c: t for c, t in self._submitted.items() if c >= self.calls - 8}
+        self._submitted[self.calls] = time.perf_counter()
         self._harvest()
         schedule = self.schedule(self.dispatch_position)
         record = self._wants_record()
@@ -325,7 +340,6 @@ class PipelineEngine:
         )  # fmt: skip
         if record:
             self._recording.append(flight)
-        self._submitted = [*self._submitted[-7:], time.perf_counter()]
         for m, x in enumerate(mb_inputs):
             flight.put(("act", 0, m), self.pool.stage(x))
         attributes = plain_attributes(self.layers)

@@ -1,0 +1,152 @@
+"""Measured bubble ratio (``RoundPipeMonitor``) next to the simulator's prediction, under a real Trainer.
+
+A LightningModule holding the Qwen3-1.7B-shaped ``nn.Sequential`` (``benchmarks/qwen3_shape.py``)
+trains with ``Trainer(strategy=RoundPipeStrategy(plan="auto"), precision="bf16-mixed")`` on the
+GPUs given, with the monitor logging every step into a CSV logger. After the automatic plan is in
+place, prints per step the measured bubble (``1 - mean busy fraction`` of the workers, where busy is
+the CUDA-event time of the worker's kernels over the interval between batches) and the predicted one,
+and their mean difference in percentage points. ``--device cpu --model debug`` is a smoke test.
+
+    python benchmarks/bubble_check.py --out benchmarks/results/bubble-check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen3_shape import SHAPES, Shape, build, init
+
+import lightning_roundpipe
+from lightning_roundpipe import RoundPipeMonitor, RoundPipeStrategy
+
+
+class Tokens(Dataset):
+    def __init__(self, shape: Shape, size: int, seq_len: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, shape.vocab, (size, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+class Shaped(L.LightningModule):
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            model = build(shape)
+        self.model = init(model.to_empty(device="cpu"))
+        self.ends: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        return lightning_roundpipe.pipeline_loss(
+            self.model, (tokens, labels), labels, lambda out, _: out, reduction=lambda t: (t != -100).sum()
+        )
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        self.plan = str(self.trainer.strategy.engine.plan)
+        self.timeline = list(self.trainer.strategy.engine.last_timeline)
+        self.ends.append(time.perf_counter())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--seqs", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--plan", default="auto", help='"auto" or an explicit plan such as "3,3|5,1,1"')
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--timeline", default=None, help="write the last measured step here (Chrome trace + PNG)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    shape = SHAPES[args.model]
+    L.seed_everything(0, verbose=False)
+    module = Shaped(shape)
+    data = DataLoader(Tokens(shape, args.seqs * args.steps, args.seq_len), batch_size=args.seqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        logger = L.pytorch.loggers.CSVLogger(tmp, name="bubble")
+        strategy = RoundPipeStrategy(
+            num_microbatches=args.microbatches, plan=args.plan, profile_steps=args.profile_steps
+        )
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.devices, precision="bf16-mixed",
+            max_steps=args.steps, log_every_n_steps=1, logger=logger, callbacks=[RoundPipeMonitor()],
+            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        )  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(module, data)
+        wall = time.perf_counter() - start
+        engine_plan = getattr(module, "plan", None)
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+    steps = []
+    for r in rows:
+        if r.get("roundpipe/bubble_measured") and r.get("roundpipe/bubble_predicted"):
+            steps.append(
+                {
+                    "step": int(r["step"]),
+                    "measured": float(r["roundpipe/bubble_measured"]),
+                    "predicted": float(r["roundpipe/bubble_predicted"]),
+                    "stages": float(r["roundpipe/stages"]),
+                }
+            )
+    print(f"plan {engine_plan}; {len(steps)} steps on the automatic plan; fit took {wall:.0f} s")
+    print(f"{'step':>4} {'measured':>9} {'predicted':>9}")
+    for s in steps:
+        print(f"{s['step']:4d} {s['measured']:9.3f} {s['predicted']:9.3f}")
+    if args.timeline and module.timeline:
+        from lightning_roundpipe.callbacks import write_timeline
+
+        write_timeline(module.timeline, args.timeline)
+    last = module.ends[-4:]
+    step_s = (last[-1] - last[0]) / (len(last) - 1)
+    tokens_per_s = args.seqs * args.seq_len / step_s
+    print(f"last {len(last) - 1} steps: {step_s:.3f} s/step, {tokens_per_s:.0f} tokens/s")
+    gap = None
+    if steps:
+        # the step time is averaged over 4 steps: the first 3 on a new plan still include profiling steps
+        tail = steps[3:] or steps
+        gap = sum(s["measured"] - s["predicted"] for s in tail) / len(tail)
+        print(f"mean measured - predicted over the last {len(tail)} steps: {100 * gap:+.1f} pp")
+    if args.out:
+        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+        command = "python benchmarks/bubble_check.py " + " ".join(sys.argv[1:])
+        meta = {"date": time.strftime("%Y-%m-%d"), "command": command, "device": device, "torch": torch.__version__}
+        result = {
+            "plan": engine_plan,
+            "steps": steps,
+            "mean_gap_pp": None if gap is None else 100 * gap,
+            "fit_s": wall,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_s,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
