@@ -79,16 +79,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             lse = top + sums.log()
             total += torch.where(keep, lse - picked, torch.zeros_like(lse)).sum()
             if grad_hidden is None and grad_weight is None:
+                del logits, exps
                 continue
             probs = exps.div_(sums[:, None])  # softmax
             probs.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
             probs.mul_((keep.float() / denom)[:, None])
             g = probs.to(compute_dtype)
-            del logits, probs
+            del logits, exps, probs  # every name of the fp32 chunk: it is freed before the next one exists
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = g @ w
             if grad_weight is not None:
                 _accumulate_fp32(grad_weight, g.T, h)  # matmul in the compute dtype, summed in fp32
+            del g
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / denom
