@@ -75,8 +75,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     def step(i: int) -> float:
         tokens, labels = batch(shape, args.seqs, args.seq_len, i)
-        if args.run == "preset":  # the preset shifts labels itself, as Hugging Face does
-            inputs = (tokens, None, torch.arange(tokens.shape[1]).expand_as(tokens), tokens)
+        if args.run == "preset":  # what the Interceptor passes for `model(input_ids=..., labels=...)`
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            inputs = (tokens, *hf.plain_inputs(None, positions), tokens)  # labels shifted by the preset
             target, reduction = tokens, hf.counted_tokens
         else:
             inputs, target = (tokens, labels), labels
