@@ -8,6 +8,7 @@ clipping and the optimizer look for them; the optimizer steps the host master we
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,11 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         overlap: how weight uploads and gradient downloads overlap compute: ``"priority"`` (cut
             into parts issued between activation copies; the default), ``"simple"`` (one piece,
             prefetched a stage ahead) or ``"none"`` (no overlap; for comparison).
+        gpu_memory: what the automatic plan may use on each device: a fraction of the device's memory
+            (``0.8``, the default; a cap set with ``torch.cuda.set_per_process_memory_fraction`` is
+            honoured), a number of bytes (``24 * 2**30``) or a string such as ``"24GiB"``/``"20GB"``.
+            With room to spare the partitioner fuses more layers into the fused stage, which
+            recomputes nothing but keeps their activations: lower this to trade speed for memory.
         async_optimizer: apply each optimizer step on a host thread while the devices compute the
             next one, with gradients exactly one step stale (the default, and the fast mode).
             ``False`` gives the numerics of plain training. In the asynchronous mode gradient
@@ -73,6 +79,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         plan: StagePlan | str | None = "auto",
         profile_steps: int = 2,
         overlap: Overlap = "priority",
+        gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -92,6 +99,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         if overlap not in OVERLAPS:
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
+        self.gpu_memory = parse_memory(gpu_memory)
         self.async_optimizer = async_optimizer
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
@@ -259,7 +267,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             autocast_dtype=self.precision_plugin.compute_dtype,
             asynchronous=self.async_optimizer,
             profile_steps=self.profile_steps,
-            memory_limit=device_memory_limit(self.worker_devices),
+            memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
         )
         if hf_model is not None:
             from lightning_roundpipe.models import hf
@@ -413,16 +421,41 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             )
 
 
-def device_memory_limit(devices: list[torch.device], fraction: float = 0.8) -> float | None:
-    """Bytes the partitioner may plan a stage for: a share of the smallest worker device (``None`` on CPU)."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_memory(value: float | str) -> float:
+    """A fraction in (0, 1], or bytes (a number above 1 or a string like ``"24GiB"``), checked."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"RoundPipeStrategy(gpu_memory={value!r}): give a fraction such as 0.8, bytes, or a size"
+                " such as '24GiB' or '20GB'"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit and number * _UNITS[unit] <= 1:
+            raise ValueError(f"RoundPipeStrategy(gpu_memory={value!r}) is not a usable size")
+        value = number * _UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"RoundPipeStrategy(gpu_memory={value!r}) must be positive")
+    return float(value)
+
+
+def device_memory_limit(devices: list[torch.device], memory: float = 0.8) -> float | None:
+    """Bytes the partitioner may plan a stage for: ``memory`` bytes, or that fraction of the smallest
+    worker device (``None`` on CPU, where nothing limits a stage)."""
     cuda = [d for d in devices if d.type == "cuda"]
     if not cuda:
         return None
+    if memory > 1:
+        return memory
     total = min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if get_fraction is not None:  # a cap set with torch.cuda.set_per_process_memory_fraction
         total = int(total * min(get_fraction(d) for d in cuda))
-    return fraction * total
+    return memory * total
 
 
 def find_hf_model(module: nn.Module) -> nn.Module | None:

@@ -231,3 +231,12 @@ def test_hf_decoder_stage_runs_without_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert hidden.grad is not None
+
+
+def test_gpu_memory_limit_in_bytes_or_as_a_share_of_the_device():
+    from lightning_roundpipe.strategy import device_memory_limit, parse_memory
+
+    cuda = [torch.device("cuda", 0)]
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert device_memory_limit(cuda, parse_memory("24GiB")) == 24 * 2**30
+    assert device_memory_limit(cuda, 0.5) == pytest.approx(0.5 * total * torch.cuda.get_per_process_memory_fraction(0))

@@ -212,3 +212,16 @@ def test_pytorch_lightning_twin():
                    enable_checkpointing=False, enable_progress_bar=False, **CPU).fit(module, boring_data())  # fmt: skip
         results.append(flat_weights(module))
     assert relative_error(results[1], results[0]) <= 1e-5
+
+
+def test_gpu_memory_option_reads_fractions_bytes_and_sizes():
+    from lightning_roundpipe.strategy import device_memory_limit, parse_memory
+
+    assert RoundPipeStrategy(gpu_memory="24GiB").gpu_memory == 24 * 2**30
+    assert RoundPipeStrategy(gpu_memory="20 GB").gpu_memory == 20e9
+    assert RoundPipeStrategy(gpu_memory=0.5).gpu_memory == 0.5
+    assert parse_memory("0.6") == 0.6 and parse_memory(2**30) == 2**30
+    for bad in ("lots", "24 GiBs", 0, -1.0, "0.5B"):
+        with pytest.raises(ValueError, match="gpu_memory"):
+            RoundPipeStrategy(gpu_memory=bad)
+    assert device_memory_limit([torch.device("cpu")], 2**30) is None  # nothing limits a CPU stage
