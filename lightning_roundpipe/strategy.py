@@ -28,6 +28,7 @@ from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
 pl = lightning_package(globals())
 _precision = sibling("precision", globals())
+_checkpoint_io = sibling("checkpoint_io", globals())
 _ParallelStrategy = pl.strategies.ParallelStrategy
 _TrainerFn = pl.trainer.states.TrainerFn
 _call = pl.trainer.call
@@ -191,6 +192,32 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = _checkpoint_io.StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Adds the engine's state (counters, plan, pending-update compute copies) to a full checkpoint."""
+        if self.engine is not None and "optimizer_states" in checkpoint:
+            checkpoint["roundpipe"] = self.engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.engine is not None and "roundpipe" in checkpoint:
+            self.engine.load_state_dict(checkpoint["roundpipe"])
 
     # ------------------------------------------------------------------ precision
     @property

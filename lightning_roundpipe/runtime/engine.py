@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -424,6 +425,61 @@ class PipelineEngine:
         if self._error is not None:
             self._fail()
         self._harvest(wait=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming exactly needs besides the weights and the optimizer's state: the batch and step
+        counters (part of every random seed), the dispatch position, the plan and the costs it came from,
+        and, in the asynchronous mode, the compute copies: the masters already hold the last submitted
+        update, but the next batch must compute on the weights without it (staleness 1)."""
+        self.flush()
+        state: dict[str, Any] = {
+            "calls": self.calls,
+            "step": self.step,
+            "dispatch_position": self.dispatch_position,
+            "base_seed": self.base_seed,
+            "plan": str(self.plan),
+            "layer_costs": None if self.layer_costs is None else asdict(self.layer_costs),
+        }
+        if self.asynchronous and self._cast_done.get(self.step - 1):
+            state["compute"] = {g: self.store.groups[g].compute.clone() for g in self._trainable}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where :meth:`state_dict` left off; call on a new engine, before its first batch,
+        after the masters (the module's parameters) were loaded."""
+        if self.calls or self._live:
+            raise RuntimeError("load the roundpipe engine state before the first batch")
+        self.calls, self.step = int(state["calls"]), int(state["step"])
+        self.dispatch_position = int(state["dispatch_position"]) % self.num_workers
+        self.base_seed = int(state["base_seed"])
+        for executor in self._executors:
+            executor.base_seed = self.base_seed
+        if self.auto_plan and state.get("layer_costs") is not None:
+            self.layer_costs = LayerCosts(**{k: tuple(v) for k, v in state["layer_costs"].items()})
+            self._profile = None
+            plan = StagePlan.parse(state["plan"])
+            if plan.num_layers == len(self.layers):
+                self._set_plan(plan)
+        self._windows = {self.step: StepWindow(self._abort)}
+        compute = state.get("compute")
+        if compute is None:
+            return
+        if not self.asynchronous or self._optimizer is None:
+            raise ValueError(
+                "this checkpoint was saved by the asynchronous optimizer with an update pending; resume it with"
+                " RoundPipeStrategy(async_optimizer=True)"
+            )
+        if sorted(compute) != sorted(self._trainable):
+            raise ValueError("the checkpoint's roundpipe state does not match this model's trainable layers")
+        for g, tensor in compute.items():
+            self.store.groups[g].compute.copy_(tensor)
+        # the saved update is in the masters; cast it once the first batch has uploaded each layer
+        order = tuple(sorted(self._trainable, key=lambda g: (-self.store.groups[g].layer, g)))
+        cast_done = {g: self._job_gate() for g in order}
+        self._cast_done = {self.step - 1: cast_done}
+        job = UpdateJob(self.step - 1, None, order, {}, {}, cast_done, self._windows[self.step])
+        self._optimizer.submit(job)
 
     def _job_gate(self) -> Gate:
         gate = Gate(self._abort)

@@ -63,7 +63,8 @@ class StepWindow:
 @dataclass
 class UpdateJob:
     step: int
-    spec: UpdateSpec
+    spec: UpdateSpec | None
+    """``None``: no math, only the cast (a resumed run's pending cast of the update saved with it)."""
     groups: tuple[int, ...]
     """Trainable groups in update order (deep layers first: the order the next backward needs them)."""
     grads_complete: dict[int, Gate]
@@ -126,6 +127,22 @@ class OptimizerWorker:
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
+        if job.spec is not None:
+            self._math(job)
+        job.math_done.set()
+        if not job.cast:
+            return
+        job.next_window.closed.wait()
+        for g in job.groups:
+            for flight in job.next_window.flights:
+                flight.wait_uploaded(g)
+            self.store.refresh_group(g)
+            job.cast_done[g].set()
+            if self.trace is not None:
+                self.trace.append(("cast", job.step, g, time.perf_counter()))
+
+    def _math(self, job: UpdateJob) -> None:
+        assert job.spec is not None
         shadow, shadows_of = self._shadow(job.spec.optimizer)
         for group, hyper in zip(shadow.param_groups, job.spec.hyperparameters):
             group.update(hyper)
@@ -147,17 +164,6 @@ class OptimizerWorker:
             job.consumed[g].set()
             if self.trace is not None:
                 self.trace.append(("update", job.step, g, start, time.perf_counter()))
-        job.math_done.set()
-        if not job.cast:
-            return
-        job.next_window.closed.wait()
-        for g in job.groups:
-            for flight in job.next_window.flights:
-                flight.wait_uploaded(g)
-            self.store.refresh_group(g)
-            job.cast_done[g].set()
-            if self.trace is not None:
-                self.trace.append(("cast", job.step, g, time.perf_counter()))
 
     def _grad(self, g: int) -> torch.Tensor:
         grad = self.store.groups[g].grad

@@ -1,0 +1,96 @@
+"""Checkpoints: k steps, save, resume, k more equals 2k uninterrupted; saving is atomic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import BoringPipeline, boring_data, flat_weights, relative_error
+from torch import nn
+
+import lightning_roundpipe
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
+
+
+class DropoutPipeline(BoringPipeline):
+    """Dropout between the layers, a step-wise LR schedule: resuming must restore seeds and the scheduler."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=True, lr=3e-2)
+        self.model = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2),
+            nn.Linear(16, 4),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return lightning_roundpipe.pipeline_loss(self.model, x, y, F.mse_loss)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def run(module_cls, strategy_kwargs, epochs: int, tmp: Path, ckpt: str | None = None) -> L.LightningModule:
+    L.seed_everything(1, verbose=False)
+    module = module_cls()
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3, **strategy_kwargs), accelerator="cpu", devices=2,
+        max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)],
+    )  # fmt: skip
+    trainer.fit(module, boring_data(), ckpt_path=ckpt)
+    return module
+
+
+@pytest.mark.parametrize(
+    "module_cls, strategy_kwargs",
+    [
+        (DropoutPipeline, dict(async_optimizer=False, plan="2,2|3,2,2")),
+        (DropoutPipeline, dict(async_optimizer=False)),  # automatic plan: profiled, then kept on resume
+        (BoringPipeline, dict(async_optimizer=True, plan="3,2|4,2,3")),  # an update is pending at the save
+        (BoringPipeline, dict(async_optimizer=True)),
+    ],
+)
+def test_resume_equals_uninterrupted_training(tmp_path, module_cls, strategy_kwargs):
+    straight = run(module_cls, strategy_kwargs, 2, tmp_path / "straight")
+    run(module_cls, strategy_kwargs, 1, tmp_path / "first")
+    checkpoint = tmp_path / "first" / "epoch=0.ckpt"
+    state = torch.load(checkpoint, weights_only=False)["roundpipe"]
+    assert state["calls"] == 8 and ("compute" in state) == strategy_kwargs["async_optimizer"]
+    resumed = run(module_cls, strategy_kwargs, 2, tmp_path / "resumed", ckpt=str(checkpoint))
+    assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
+    if strategy_kwargs.get("plan") is None:  # the plan in use at the save is the one resumed with
+        assert state["plan"] != "1|1,1,1,1,1,1,1,1,1" and state["layer_costs"] is not None
+
+
+def test_async_checkpoint_refuses_a_synchronous_resume(tmp_path):
+    run(BoringPipeline, dict(async_optimizer=True), 1, tmp_path)
+    with pytest.raises(ValueError, match="async_optimizer=True"):
+        run(BoringPipeline, dict(async_optimizer=False), 2, tmp_path, ckpt=str(tmp_path / "epoch=0.ckpt"))
+
+
+def test_a_crash_while_saving_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    io = StreamingCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"weights": torch.arange(10.0)}, path)
+
+    def crash(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # the process is being killed mid-write
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"weights": torch.zeros(10)}, path)
+    monkeypatch.undo()
+    assert torch.equal(io.load_checkpoint(path)["weights"], torch.arange(10.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_strategy_writes_through_the_streaming_io_by_default():
+    assert isinstance(RoundPipeStrategy().checkpoint_io, StreamingCheckpointIO)
