@@ -5,14 +5,21 @@ Importing the package registers ``"roundpipe"`` with Lightning's strategy regist
 """
 
 from lightning_roundpipe._flavor import is_installed, twin
-from lightning_roundpipe.api import pipeline_loss
+from lightning_roundpipe.api import pipeline_forward, pipeline_loss
 from lightning_roundpipe.callbacks import RoundPipeMonitor
 from lightning_roundpipe.precision import RoundPipePrecision
 from lightning_roundpipe.schedule import StagePlan
 from lightning_roundpipe.strategy import RoundPipeStrategy
 
 __version__ = "0.1.0"
-__all__ = ["RoundPipeMonitor", "RoundPipePrecision", "RoundPipeStrategy", "StagePlan", "pipeline_loss"]
+__all__ = [
+    "RoundPipeMonitor",
+    "RoundPipePrecision",
+    "RoundPipeStrategy",
+    "StagePlan",
+    "pipeline_forward",
+    "pipeline_loss",
+]
 
 
 def _register() -> None:

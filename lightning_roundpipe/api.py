@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.runtime.microbatch import Reduction
 
-Runner = Callable[[Any, Any, Callable[[Any, Any], Tensor], Reduction], Tensor]
+Runner = Callable[[Any, Any, Callable[[Any, Any], Tensor] | None, Reduction], Any]
 
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, Runner] = weakref.WeakKeyDictionary()
 
@@ -45,6 +45,21 @@ def pipeline_loss(
     if runner is None:
         return loss_fn(model(inputs), target)
     return runner(inputs, target, loss_fn, reduction)
+
+
+def pipeline_forward(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, computed so that every strategy can run it: for ``predict_step`` and for the
+    outputs a ``validation_step`` or ``test_step`` feeds to metrics.
+
+    Under ``strategy="roundpipe"`` in ``validation_step``, ``test_step`` and ``predict_step`` this runs
+    forward only through the pipeline (weights stream through the devices as in training, nothing is
+    kept for backward) and returns the output on the host, micro-batches concatenated along dim 0.
+    In ``training_step`` use :func:`pipeline_loss` instead.
+    """
+    runner = _RUNNERS.get(model)
+    if runner is None:
+        return model(inputs)
+    return runner(inputs, None, None, "mean")
 
 
 def register_runner(model: nn.Module, runner: Runner) -> None:

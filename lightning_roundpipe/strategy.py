@@ -112,6 +112,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self._pipelined: nn.Module | None = None
         self._interceptor: Any = None
         self._in_training_step = False
+        self._in_eval_step = False
         self._step_loss: Tensor | None = None
         self._num_nodes = 1
 
@@ -236,17 +237,20 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if trainer.state.fn == _TrainerFn.FITTING:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError(
-                    "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
-                    " and let Lightning call the optimizer."
-                )
-            self._setup_engine()
+        fitting = trainer.state.fn == _TrainerFn.FITTING
+        if fitting and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
+                " and let Lightning call the optimizer."
+            )
+        self._setup_engine(training=fitting)
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _setup_engine(self) -> None:
+    def _setup_engine(self, training: bool = True) -> None:
+        """The engine over the model's layers; without ``training`` (validate, test, predict) it only
+        runs forward passes and has no optimizer thread."""
         module = self.lightning_module
         hf_model = find_hf_model(module)
         if hf_model is not None:
@@ -257,7 +261,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         else:
             sequential = find_pipelined_module(module)
             layers = list(sequential.children())
-        if self.async_optimizer:
+        asynchronous = self.async_optimizer and training
+        if asynchronous:
             if self.precision_plugin.precision == "16-mixed":
                 raise ValueError(
                     "precision='16-mixed' with the asynchronous optimizer is not supported yet: loss scaling needs"
@@ -292,7 +297,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             overlap=self.overlap,
             compute_dtype=self.precision_plugin.compute_dtype,
             autocast_dtype=self.precision_plugin.compute_dtype,
-            asynchronous=self.async_optimizer,
+            asynchronous=asynchronous,
             profile_steps=self.profile_steps,
             memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
         )
@@ -300,9 +305,14 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             from lightning_roundpipe.models import hf
 
             def run(inputs: Any, target: Any) -> Tensor:
+                if self._in_eval_step:
+                    assert self.engine is not None
+                    return self.engine.evaluate(inputs, target, lambda out, _: out, hf.counted_tokens)
                 return self._train_batch(inputs, target, lambda out, _: out, hf.counted_tokens)
 
-            self._interceptor = hf.Interceptor(hf_model, run, lambda: self._in_training_step)
+            self._interceptor = hf.Interceptor(
+                hf_model, run, lambda: self._in_training_step, lambda: self._in_eval_step
+            )
         else:
             self._pipelined = sequential
             api.register_runner(sequential, self._run_pipeline)
@@ -324,11 +334,20 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def _run_pipeline(
         self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction
     ) -> Tensor:
-        """``pipeline_loss`` on the pipelined ``nn.Sequential``."""
+        """``pipeline_loss`` (or, with ``loss_fn=None``, ``pipeline_forward``) on the pipelined ``nn.Sequential``."""
         assert self._pipelined is not None
+        if self._in_eval_step and self.engine is not None:
+            # validation_step/test_step/predict_step: forward only, through the pipeline
+            return self.engine.evaluate(inputs, target, loss_fn, reduction)
         if not self._in_training_step:
-            # validation/test/predict: a plain forward on the host weights
-            return loss_fn(self._pipelined(inputs), target)
+            # anywhere else (a callback, on_validation_epoch_end, ...): a plain forward on the host weights
+            output = self._pipelined(inputs)
+            return output if loss_fn is None else loss_fn(output, target)
+        if loss_fn is None:
+            raise RuntimeError(
+                "`pipeline_forward` cannot run in `training_step` under roundpipe: the backward happens inside the"
+                " pipeline, so compute the loss there with `pipeline_loss(self.model, inputs, target, loss_fn)`."
+            )
         return self._train_batch(inputs, target, loss_fn, reduction)
 
     def _train_batch(
@@ -360,6 +379,25 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 " cannot be taken back. Skip the batch before calling `pipeline_loss`."
             )
         return output
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._in_eval_step = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._in_eval_step = False
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -424,18 +462,39 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     @override
     def on_validation_start(self) -> None:
-        self._flush()
+        if self.engine is not None:
+            self.engine.begin_evaluation()  # flushes; the masters are what is evaluated
         super().on_validation_start()
 
     @override
+    def on_validation_end(self) -> None:
+        if self.engine is not None:
+            self.engine.end_evaluation()
+        super().on_validation_end()
+
+    @override
     def on_test_start(self) -> None:
-        self._flush()
+        if self.engine is not None:
+            self.engine.begin_evaluation()  # flushes; the masters are what is evaluated
         super().on_test_start()
 
     @override
+    def on_test_end(self) -> None:
+        if self.engine is not None:
+            self.engine.end_evaluation()
+        super().on_test_end()
+
+    @override
     def on_predict_start(self) -> None:
-        self._flush()
+        if self.engine is not None:
+            self.engine.begin_evaluation()  # flushes; the masters are what is evaluated
         super().on_predict_start()
+
+    @override
+    def on_predict_end(self) -> None:
+        if self.engine is not None:
+            self.engine.end_evaluation()
+        super().on_predict_end()
 
     @classmethod
     @override

@@ -240,3 +240,23 @@ def test_gpu_memory_limit_in_bytes_or_as_a_share_of_the_device():
     total = torch.cuda.get_device_properties(0).total_memory
     assert device_memory_limit(cuda, parse_memory("24GiB")) == 24 * 2**30
     assert device_memory_limit(cuda, 0.5) == pytest.approx(0.5 * total * torch.cuda.get_per_process_memory_fraction(0))
+
+
+def test_forward_only_pass_on_gpu_equals_the_plain_model():
+    model = mlp()
+    engine = PipelineEngine(
+        list(copy.deepcopy(model).children()), [CudaWorkerDevice("cuda:0", 0), CudaWorkerDevice("cuda:0", 1)],
+        plan=StagePlan.parse("3,3|2,2,2,2"), microbatches_per_round=3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g)
+    try:
+        engine.begin_evaluation()
+        loss, out = engine.evaluate(x, y, F.mse_loss), engine.evaluate(x)
+        engine.end_evaluation()
+    finally:
+        engine.close()
+    with torch.no_grad():
+        want = model(x)
+    assert out.device.type == "cpu" and relative_error(out, want) <= 1e-5
+    assert relative_error(loss, F.mse_loss(want, y)) <= 1e-5

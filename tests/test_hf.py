@@ -299,3 +299,22 @@ def test_moe_aux_loss_is_the_models_own_per_micro_batch():
     for name, p in reference.named_parameters():
         if p.grad is not None:
             assert relative_error(grads[name], p.grad) <= 1e-5, name
+
+
+class HFValidated(HFModule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
+
+def test_validation_loss_through_the_pipeline_equals_the_model_run_directly(monkeypatch):
+    calls = []
+    original = PipelineEngine.evaluate
+    monkeypatch.setattr(PipelineEngine, "evaluate", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    module = HFValidated()
+    plain_module = copy.deepcopy(module)
+    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    got = L.Trainer(strategy=RoundPipeStrategy(num_microbatches=3), devices=2, **kwargs).validate(module, hf_data())
+    want = L.Trainer(devices=1, **kwargs).validate(plain_module, hf_data())
+    assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-5)
+    assert len(calls) == 4  # every batch went through the pipeline
+    assert "forward" not in module.model.__dict__

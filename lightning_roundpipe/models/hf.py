@@ -229,10 +229,17 @@ class Interceptor:
     the model's own forward runs on the host weights.
     """
 
-    def __init__(self, model: nn.Module, run: Callable[[Any, Any], Tensor], active: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        run: Callable[[Any, Any], Tensor],
+        active: Callable[[], bool],
+        evaluating: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.model = unwrap(model)
         self._run = run
         self._active = active
+        self._evaluating = evaluating
         self._warned_cache = False
         self._original = self.model.forward
         self.model.forward = self  # an instance attribute: nn.Module.__call__ finds it first
@@ -245,7 +252,9 @@ class Interceptor:
         labels: Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
-        if not self._active():
+        # validation/test steps with labels: the loss through the pipeline (forward only); anything else
+        # outside a training step (generation, logits for metrics) runs the model itself on the host
+        if not self._active() and not (self._evaluating() and labels is not None):
             return self._original(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels, **kwargs
             )

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_roundpipe.runtime.collector import GradCollector
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
 from lightning_roundpipe.runtime.flight import Flight
-from lightning_roundpipe.runtime.host_pool import HostPool
+from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker, StepWindow, UpdateJob, UpdateSpec
@@ -166,6 +167,9 @@ class PipelineEngine:
         self._job_gates: list[Gate] = []
         self._windows: dict[int, StepWindow] = {0: StepWindow(self._abort)}
         self._cast_done: dict[int, dict[int, Gate]] = {}
+        self._evaluation_stash: dict[int, Tensor] | None = None
+        self._eval_schedules: dict[tuple[StagePlan, int], Schedule] = {}
+        self._eval_calls = 0
         self._closed = False
         self._warned_empty = False
         self._collectors = []
@@ -378,6 +382,106 @@ class PipelineEngine:
         self._harvest(wait=True)
         return flight.batch_loss()
 
+    # ------------------------------------------------------------------ forward-only passes
+    def begin_evaluation(self) -> None:
+        """Make the compute copies hold the masters, as plain training would evaluate them.
+
+        Synchronous mode: refresh what the last optimizer step changed. Asynchronous mode: the masters
+        hold the last update but the next training batch must still compute without it (staleness 1),
+        so the compute copies of the groups with a pending cast are set aside and restored by
+        :meth:`end_evaluation` (a transient extra 2 bytes per trainable parameter in bf16).
+        """
+        self._check_usable()
+        self.flush()
+        if not self.asynchronous:
+            self.store.sync_compute()
+            return
+        if self._evaluation_stash is None:
+            pending = self._cast_done.get(self.step - 1, {})
+            self._evaluation_stash = {g: self.store.groups[g].compute.clone() for g in pending}
+            for g in pending:
+                self.store.groups[g].compute.copy_(self.store.groups[g].data)
+
+    def end_evaluation(self) -> None:
+        """Put back the compute copies :meth:`begin_evaluation` set aside."""
+        stash, self._evaluation_stash = self._evaluation_stash, None
+        for g, compute in (stash or {}).items():
+            self.store.groups[g].compute.copy_(compute)
+
+    def evaluate(
+        self,
+        inputs: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        reduction: Reduction = "mean",
+    ) -> Any:
+        """Forward only, through the pipeline: the batch loss (as ``loss_fn`` on the whole batch) or, with
+        ``loss_fn=None``, the model's output with the micro-batches concatenated along dim 0.
+
+        Nothing is kept for a backward pass and no gradient is touched; the training counters, seeds
+        and dispatch position are left as they were. Wrap calls in :meth:`begin_evaluation` and
+        :meth:`end_evaluation` (the strategy does) so the weights evaluated are the masters'.
+        """
+        self._check_usable()
+        if not self.asynchronous:
+            self.store.sync_compute()
+        how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
+        mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
+        weights = microbatch_weights(mb_targets, mb_inputs, reduction) if loss_fn is not None else []
+        key = (self.plan, self.dispatch_position)
+        if key not in self._eval_schedules:
+            compute_only = round_robin(
+                self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, self.dispatch_position,
+                forward_only=True,
+            )  # fmt: skip
+            schedule = add_transfers(compute_only, self.overlap)
+            validate(schedule)
+            self._eval_schedules[key] = schedule
+        schedule = self._eval_schedules[key]
+        targets = [self.pool.stage(t) for t in mb_targets] if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
+        self._eval_calls += 1
+        flight = Flight(
+            -self._eval_calls, schedule, targets, weights, 1.0, loss_fn, self._abort, self.pool, {},
+            self._slot_grad_groups(schedule.plan).__getitem__, set(), evaluating=True,
+        )  # fmt: skip
+        for m, x in enumerate(mb_inputs):
+            flight.put(("act", 0, m), self.pool.stage(x))
+        attributes = plain_attributes(self.layers)
+        with self._error_lock:
+            self._live.append((flight, []))
+        tasks = self._live[-1][1]
+        for w, executor in enumerate(self._executors):
+            run = partial(executor.run, schedule.workers[w], flight, attributes, settle=True)
+            tasks.append(self._pool.submit(w, run))
+        try:
+            for task in tasks:
+                task.done.wait()
+        except BaseException as interrupt:
+            self._on_worker_error(interrupt)
+            for task in tasks:
+                task.done.wait(timeout=30.0)
+            raise
+        finally:
+            self._prune()
+        if self._error is not None:
+            if self.asynchronous:
+                self._fail()
+            error, self._error = self._error, None
+            self._abort.clear()
+            raise error
+        if loss_fn is not None:
+            return flight.batch_loss()
+        return _concatenate([self._take_output(p) for p in flight.losses])
+
+    def _take_output(self, parcel: Parcel | None) -> Any:
+        assert parcel is not None
+        if parcel.ready is not None:
+            parcel.ready.synchronize()
+        leaves, spec = tree_flatten(parcel.value)
+        owned = tree_unflatten([t.clone() if isinstance(t, Tensor) else t for t in leaves], spec)
+        self.pool.release(parcel)
+        return owned
+
     # ------------------------------------------------------------------ asynchronous optimizer
     def submit_step(self, spec: UpdateSpec) -> None:
         """Hand the current step's update to the optimizer worker and start the next step."""
@@ -567,3 +671,16 @@ class PipelineEngine:
                 warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
             else:
                 self.pool.close()
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    """Micro-batch outputs joined back into the batch's: tensors concatenated along dim 0, other
+    leaves taken from the first micro-batch."""
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    leaves = [
+        torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], Tensor) and flat[0][0][i].dim() > 0
+        else flat[0][0][i]
+        for i in range(len(flat[0][0]))
+    ]  # fmt: skip
+    return tree_unflatten(leaves, spec)

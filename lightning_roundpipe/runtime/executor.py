@@ -173,6 +173,8 @@ class StageExecutor:
             self._unload(stage, action, flight)
         elif action.op is Op.FORWARD:
             self._forward(stage, action, flight)
+        elif flight.evaluating:
+            self._evaluate(stage, action, flight)
         else:
             self._backward(stage, action, flight)
 
@@ -212,7 +214,7 @@ class StageExecutor:
                 if flight.last_upload.get(g) == key:  # edge 1: after this copy, the cast may overwrite
                     flight.mark_uploaded(g, loaded.ready)
 
-    def _slot_tensors(self, stage: Stage, action: Action) -> dict[int, dict[str, Tensor]]:
+    def _slot_tensors(self, stage: Stage, action: Action, gradients: bool = True) -> dict[int, dict[str, Tensor]]:
         """The slot's named device tensors per layer, with the compute stream ordered after their upload.
 
         Built once per slot. In stages with gradients every trainable parameter is its own leaf
@@ -227,7 +229,7 @@ class StageExecutor:
         dev.wait(dev.compute, loaded.ready)
         for g, flat in loaded.flats.items():
             dev.keep_alive(flat, dev.compute)
-            if stage.has_gradients and self.store.groups[g].trainable:
+            if gradients and stage.has_gradients and self.store.groups[g].trainable:
                 loaded.grads[g] = torch.zeros_like(flat)
         leaves: dict[tuple[int, int], Tensor] = {}
         loaded.tensors = {}
@@ -249,8 +251,9 @@ class StageExecutor:
         dev = self.device
         key = (action.round, action.slot)
         loaded = self._loaded[key]
-        if not stage.has_gradients:
-            del self._loaded[key]  # the allocator frees it after the compute stream is done with it
+        if not stage.has_gradients or flight.evaluating:
+            if action.is_last_part:
+                del self._loaded[key]  # the allocator frees it after the compute stream is done with it
             return
         waits, done = flight.grad_order[key]
         overwrite = flight.overwrite[key]
@@ -344,13 +347,42 @@ class StageExecutor:
             dev.wait(dev.compute, ready)
             start = dev.timer(dev.compute) if flight.record else None
             for i in stage.layers:
-                if i in self._saved and i != stage.start:
+                if i in self._saved and i != stage.start and not flight.evaluating:
                     flight.put(("act", i, m), dev.download(x, dev.record(dev.compute)))
                 x = self._layer(i, weights, x, flight, m)
             done = dev.record(dev.compute)
             if flight.record:
                 flight.records.setdefault(dev.index, []).append((action, start, None, dev.timer(dev.compute), 0))
         flight.put(("act", stage.stop, m), dev.download(x, done))
+        self._finish((action.round, action.slot), done)
+
+    def _evaluate(self, stage: Stage, action: Action, flight: Flight) -> None:
+        """The fused stage of a forward-only pass: the last layers, then the loss (or the output itself)."""
+        dev, m = self.device, action.microbatch
+        assert m is not None
+        taken = self._take(flight, ("act", stage.start, m))
+        assert taken is not None
+        x, x_ready = taken
+        target = None
+        if flight.loss_fn is not None:
+            target = dev.upload(flight.targets[m])
+            flight.pool.release(flight.targets[m], [target[1]])
+        with dev.on(dev.compute), torch.no_grad():
+            weights = self._slot_tensors(stage, action, gradients=False)
+            for event in (x_ready, target and target[1]):
+                dev.wait(dev.compute, event)
+            for i in stage.layers:
+                x = self._layer(i, weights, x, flight, m)
+            if flight.loss_fn is not None:
+                assert target is not None
+                with dev.autocast(self.autocast_dtype):
+                    loss = flight.loss_fn(x, target[0])
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+                x = loss.detach().float() * flight.weights[m]
+            done = dev.record(dev.compute)
+        flight.set_loss(m, dev.download(x, done))
         self._finish((action.round, action.slot), done)
 
     def _backward(self, stage: Stage, action: Action, flight: Flight) -> None:

@@ -44,7 +44,7 @@ class Flight:
         targets: list[Parcel],
         weights: list[float],
         grad_scale: float,
-        loss_fn: Callable[[Any, Any], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor] | None,
         abort: threading.Event,
         pool: HostPool,
         grad_chain: dict[int, Gate],
@@ -52,8 +52,12 @@ class Flight:
         fresh_grads: set[int],
         upload_waits: dict[int, Gate] | None = None,
         record: bool = False,
+        evaluating: bool = False,
     ) -> None:
         self.call = call
+        self.evaluating = evaluating
+        """A forward-only pass (validation, test, predict): no gradients, nothing saved for backward;
+        the fused stage puts the loss, or the output when ``loss_fn`` is ``None``, under the losses."""
         self.schedule = schedule
         self.targets = targets
         self.weights = weights
@@ -80,8 +84,8 @@ class Flight:
         """Per slot, the groups it is the first to write since the host gradients were cleared: their
         gradients are copied straight into the host buffer instead of added to it."""
         for rnd in range(schedule.num_rounds):
-            for stage in schedule.plan.stages():
-                if stage.kind is StageKind.FORWARD:
+            for stage in schedule.stages():
+                if stage.kind is StageKind.FORWARD or evaluating:
                     continue
                 groups = groups_of_slot(stage.slot)
                 done = self.gate()
@@ -94,7 +98,7 @@ class Flight:
         self.last_upload: dict[int, tuple[int, int]] = {}
         """Per trainable group, the (round, slot) of its last upload in this flight."""
         for rnd in range(schedule.num_rounds):
-            for stage in schedule.plan.stages():
+            for stage in schedule.stages():
                 for g in groups_of_slot(stage.slot):
                     self.last_upload[g] = (rnd, stage.slot)
         self._uploaded = {g: (self.gate(), []) for g in self.last_upload}

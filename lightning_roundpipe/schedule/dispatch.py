@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from lightning_roundpipe.schedule.actions import Action, Op
-from lightning_roundpipe.schedule.plan import StagePlan
+from lightning_roundpipe.schedule.plan import Stage, StageKind, StagePlan
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,12 @@ class Schedule:
     workers: tuple[tuple[Action, ...], ...]
     overlap: str | None = None
     """How transfers were placed (see :mod:`~lightning_roundpipe.schedule.transfers`); ``None``: none yet."""
+    forward_only: bool = False
+    """An evaluation pass: no backward stages (see :func:`round_robin`)."""
+
+    def stages(self) -> tuple[Stage, ...]:
+        """The plan's stages this schedule runs."""
+        return tuple(s for s in self.plan.stages() if not (self.forward_only and s.kind is StageKind.BACKWARD))
 
     @property
     def num_microbatches(self) -> int:
@@ -77,8 +83,13 @@ def round_robin(
     microbatches_per_round: int,
     num_rounds: int = 1,
     first_worker: int = 0,
+    forward_only: bool = False,
 ) -> Schedule:
-    """Compute-only schedule of one batch: ``num_rounds`` rounds of ``microbatches_per_round``."""
+    """Compute-only schedule of one batch: ``num_rounds`` rounds of ``microbatches_per_round``.
+
+    ``forward_only``: an evaluation pass, the forward stages and the fused stage (which then only
+    computes the output or loss) without backward stages; workers get the slots they would in training.
+    """
     if num_workers < 1:
         raise ValueError(f"need at least one worker, got num_workers={num_workers}")
     if microbatches_per_round < num_workers:
@@ -91,9 +102,9 @@ def round_robin(
     if not 0 <= first_worker < num_workers:
         raise ValueError(f"first_worker={first_worker} is not a worker index below {num_workers}")
     lists: list[list[Action]] = [[] for _ in range(num_workers)]
-    schedule = Schedule(plan, num_workers, microbatches_per_round, num_rounds, first_worker, ())
+    schedule = Schedule(plan, num_workers, microbatches_per_round, num_rounds, first_worker, (), None, forward_only)
     for rnd in range(num_rounds):
-        for stage in plan.stages():
+        for stage in schedule.stages():
             worker = schedule.worker_of(rnd, stage.slot)
             first_mb = rnd * microbatches_per_round
             for mb in range(first_mb, first_mb + microbatches_per_round):

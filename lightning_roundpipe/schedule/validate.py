@@ -24,7 +24,7 @@ def validate(schedule: Schedule) -> None:
     expected = Counter(
         (rnd, stage.slot, mb)
         for rnd in range(schedule.num_rounds)
-        for stage in plan.stages()
+        for stage in schedule.stages()
         for mb in range(rnd * schedule.microbatches_per_round, (rnd + 1) * schedule.microbatches_per_round)
     )
     seen = Counter((a.round, a.slot, a.microbatch) for _, a in schedule.actions() if a.op.is_compute)
