@@ -68,4 +68,5 @@ def register_runner(model: nn.Module, runner: Runner) -> None:
 
 
 def unregister_runner(model: nn.Module) -> None:
+    """Undo :func:`register_runner` (at teardown): the model runs plainly again."""
     _RUNNERS.pop(model, None)

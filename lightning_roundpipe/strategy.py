@@ -560,6 +560,7 @@ def find_hf_model(module: nn.Module) -> nn.Module | None:
 
 
 def check_covers_trainable(module: nn.Module, layers: list[nn.Module], what: str) -> None:
+    """Refuse trainable parameters outside the pipelined layers: no gradient would ever reach them."""
     inside = {id(p) for layer in layers for p in layer.parameters()}
     outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:

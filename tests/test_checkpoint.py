@@ -94,3 +94,11 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_whole(tmp_path, monkeyp
 
 def test_strategy_writes_through_the_streaming_io_by_default():
     assert isinstance(RoundPipeStrategy().checkpoint_io, StreamingCheckpointIO)
+
+
+def test_checkpoint_state_dict_loads_into_the_plain_model(tmp_path):
+    trained = run(BoringPipeline, dict(async_optimizer=True), 1, tmp_path)
+    state = torch.load(tmp_path / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    plain = BoringPipeline()
+    plain.load_state_dict(state, strict=True)
+    assert torch.equal(flat_weights(plain), flat_weights(trained))

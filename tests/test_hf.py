@@ -318,3 +318,12 @@ def test_validation_loss_through_the_pipeline_equals_the_model_run_directly(monk
     assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-5)
     assert len(calls) == 4  # every batch went through the pipeline
     assert "forward" not in module.model.__dict__
+
+
+def test_trained_model_saves_with_save_pretrained_and_loads_back(tmp_path):
+    module = fit_hf(RoundPipeStrategy(num_microbatches=3), 2)
+    module.model.save_pretrained(tmp_path)  # the one call after training: weights are plain tensors again
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    want = module.model.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, want[name]), name

@@ -189,6 +189,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def is_hf_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` or a peft wrapper of one."""
     try:
         from transformers import PreTrainedModel
     except ImportError:

@@ -469,6 +469,7 @@ def _tensor_slots(replica: nn.Module, refs: Sequence[Any]) -> list[tuple[str, di
 
 
 def weights_flats(loaded: dict[tuple[int, int], _Loaded], action: Action) -> list[Tensor]:
+    """The device buffers of a slot's weights and gradients (their memory is not activation memory)."""
     entry = loaded[(action.round, action.slot)]
     return [*entry.flats.values(), *entry.grads.values()]
 
