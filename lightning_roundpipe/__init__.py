@@ -7,16 +7,19 @@ Importing the package registers ``"roundpipe"`` with Lightning's strategy regist
 from lightning_roundpipe._flavor import is_installed, twin
 from lightning_roundpipe.api import pipeline_forward, pipeline_loss
 from lightning_roundpipe.callbacks import RoundPipeMonitor
+from lightning_roundpipe.memory import HostMemoryEstimate, estimate_host_memory
 from lightning_roundpipe.precision import RoundPipePrecision
 from lightning_roundpipe.schedule import StagePlan
 from lightning_roundpipe.strategy import RoundPipeStrategy
 
 __version__ = "0.1.0"
 __all__ = [
+    "HostMemoryEstimate",
     "RoundPipeMonitor",
     "RoundPipePrecision",
     "RoundPipeStrategy",
     "StagePlan",
+    "estimate_host_memory",
     "pipeline_forward",
     "pipeline_loss",
 ]

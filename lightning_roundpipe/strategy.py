@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_roundpipe import api
 from lightning_roundpipe._flavor import lightning_package, sibling
+from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
 from lightning_roundpipe.runtime.engine import PipelineEngine
 from lightning_roundpipe.runtime.microbatch import Reduction
@@ -277,6 +278,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                     " RoundPipeStrategy(async_optimizer=True) gradients are applied on a host thread one step later"
                     " and `p.grad` is None in these hooks. Use async_optimizer=False to inspect gradients there."
                 )
+        params = [p for layer in layers for p in layer.parameters()]
+        compute_dtype = self.precision_plugin.compute_dtype
+        estimate = estimate_host_memory(params, compute_dtype, asynchronous, 8.0 if training else 0.0)
+        check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
         devices: list[WorkerDevice] = []
         for index, device in enumerate(self.worker_devices):
             if device.type == "cuda":

@@ -129,3 +129,145 @@ def test_closed_engine_refuses_work():
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.train_batch(torch.randn(2, 4), torch.randn(2, 2), F.mse_loss)
+
+
+class FaultyDevice(WorkerDevice):
+    """A CPU worker whose copies in one direction (or whose gradient collector) fail once armed."""
+
+    def __init__(self, index: int, site: str, armed: threading.Event) -> None:
+        super().__init__("cpu", index)
+        self.act_up, self.act_down, self.param_up, self.grad_down = "act_up", "act_down", "param_up", "grad_down"
+        self.site, self.armed = site, armed
+
+    def _maybe_fail(self, site: str) -> None:
+        if self.armed.is_set() and site == self.site:
+            raise Boom(f"injected {site} failure")
+
+    def copy_up(self, dst, src, stream):
+        self._maybe_fail(stream)
+        super().copy_up(dst, src, stream)
+
+    def copy_down(self, dst, src, stream):
+        self._maybe_fail(stream)
+        super().copy_down(dst, src, stream)
+
+    def host_wait(self, event):
+        if threading.current_thread().name.startswith("roundpipe-collector"):
+            self._maybe_fail("collector")
+        super().host_wait(event)
+
+
+SITES = ["act_up", "param_up", "act_down", "grad_down", "collector"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("site", SITES)
+def test_copy_and_collector_failures_reach_the_main_thread_and_stop_every_thread(site, asynchronous):
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    armed = threading.Event()
+    engine = PipelineEngine(
+        list(model.children()), [FaultyDevice(i, site, armed) for i in range(2)], plan=StagePlan.parse("2|3,1,1"),
+        microbatches_per_round=2, num_rounds=2, asynchronous=asynchronous,
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def step() -> None:
+        engine.train_batch(x, y, F.mse_loss)
+        if asynchronous:
+            engine.submit_step(UpdateSpec.capture(opt))
+        else:
+            engine.store.clear_grads()
+
+    try:
+        step()
+        step()  # the second step's gradients are added to the first's: the collector has work
+        armed.set()
+        start = time.monotonic()
+        with pytest.raises(Boom, match=f"injected {site} failure"):
+            for _ in range(3):
+                step()
+            engine.flush()
+        assert time.monotonic() - start < 10
+        armed.clear()
+        if not asynchronous:  # the synchronous engine recovers and trains on
+            step()
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name.startswith("roundpipe")] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_keyboard_interrupt_stops_fit_and_on_exception_can_still_save(tmp_path, async_optimizer):
+    import signal
+
+    import lightning as L
+    from helpers import BoringPipeline, boring_data
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    class Interrupt(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                raise KeyboardInterrupt
+
+        def on_exception(self, trainer, pl_module, exception):
+            trainer.save_checkpoint(tmp_path / "interrupted.ckpt")
+
+    handler = signal.getsignal(signal.SIGINT)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer), accelerator="cpu",
+        devices=2, max_epochs=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        callbacks=[Interrupt()],
+    )  # fmt: skip
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown after Ctrl+C ends with exit(1)
+            trainer.fit(BoringPipeline(), boring_data())
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl+C during its shutdown
+    assert trainer.interrupted
+    saved = torch.load(tmp_path / "interrupted.ckpt", weights_only=False)
+    assert saved["global_step"] == 3 and saved["roundpipe"]["step"] == (3 if async_optimizer else 0)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_checkpoint_write_stops_fit_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    import lightning as L
+    from helpers import BoringPipeline, boring_data
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    def fit(epochs: int) -> None:
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path, filename="model", enable_version_counter=False
+        )
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=3), accelerator="cpu", devices=2, max_epochs=epochs,
+            logger=False, enable_progress_bar=False, callbacks=[checkpoint],
+        )  # fmt: skip
+        trainer.fit(BoringPipeline(), boring_data())
+
+    fit(1)
+    before = torch.load(tmp_path / "model.ckpt", weights_only=False)["state_dict"]
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        fit(1)
+    monkeypatch.undo()
+    after = torch.load(tmp_path / "model.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]

@@ -1,0 +1,51 @@
+"""Host-memory estimate and preflight: the numbers match what the engine allocates; a run that cannot fit
+is refused before anything starts, with the estimate."""
+
+from __future__ import annotations
+
+import threading
+
+import lightning as L
+import pytest
+import torch
+from helpers import BoringPipeline, boring_data
+from torch import nn
+
+from lightning_roundpipe import RoundPipeStrategy, estimate_host_memory
+from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+
+
+@pytest.mark.parametrize(
+    "compute_dtype, asynchronous", [(torch.bfloat16, True), (torch.bfloat16, False), (None, True), (None, False)]
+)
+def test_estimate_equals_what_the_engine_allocates(compute_dtype, asynchronous):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)  # a frozen parameter is kept once, in the compute dtype
+    estimate = estimate_host_memory(model, compute_dtype, asynchronous, optimizer_bytes_per_parameter=0)
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", 0)], compute_dtype=compute_dtype, asynchronous=asynchronous
+    )
+    try:
+        assert engine.store.nbytes() == estimate.masters + estimate.gradients + estimate.compute_copies
+    finally:
+        engine.close()
+    adamw = estimate_host_memory(model, torch.bfloat16, True)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adamw.optimizer_states == 8 * trainable
+    assert adamw.total / trainable == pytest.approx(18, rel=0.1)  # 4 + 4 + 2 + 8, the frozen weight aside
+    assert "bytes per parameter" in adamw.table()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_cannot_fit_is_refused_with_the_estimate(monkeypatch):
+    import lightning_roundpipe.memory as memory
+
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 1000)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3), accelerator="cpu", devices=2, max_steps=1, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with pytest.raises(MemoryError, match=r"(?s)more host memory than is available.*gradients.*optimizer states"):
+        trainer.fit(BoringPipeline(), boring_data())
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
