@@ -367,6 +367,15 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         grad_scale = self.precision_plugin.loss_scale / accumulate
         loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=grad_scale)
+        if not torch.isfinite(loss) and self.precision_plugin.precision != "16-mixed":
+            # 16-mixed skips the step and lowers the loss scale; here an update would spoil every weight
+            step = self.lightning_module.trainer.global_step
+            raise FloatingPointError(
+                f"the loss of the batch at step {step} is {loss.item()}; roundpipe stops before applying a"
+                " non-finite update (the weights are those of the last good step, and Lightning's `on_exception`"
+                " hooks can still save them). Lower the learning rate, clip gradients (`gradient_clip_val`),"
+                " check the data, or use precision='16-mixed' to skip such steps."
+            )
         self._step_loss = loss
         return loss
 
@@ -578,6 +587,13 @@ def check_covers_trainable(module: nn.Module, layers: list[nn.Module], what: str
 
 def find_pipelined_module(module: nn.Module) -> nn.Sequential:
     """The ``nn.Sequential`` that holds every trainable parameter of ``module`` (the outermost one)."""
+    compiled = [name or "<root>" for name, m in module.named_modules() if type(m).__name__ == "OptimizedModule"]
+    if compiled:
+        raise ValueError(
+            f"roundpipe cannot pipeline a `torch.compile`d module ({', '.join(compiled[:4])}): it runs each layer"
+            " of the `nn.Sequential` on its own worker, with weights streamed in per stage. Remove"
+            " `torch.compile` around the model."
+        )
     trainable = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
     sequentials = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Sequential)]
     for _, seq in sequentials:

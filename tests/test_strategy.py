@@ -225,3 +225,57 @@ def test_gpu_memory_option_reads_fractions_bytes_and_sizes():
         with pytest.raises(ValueError, match="gpu_memory"):
             RoundPipeStrategy(gpu_memory=bad)
     assert device_memory_limit([torch.device("cpu")], 2**30) is None  # nothing limits a CPU stage
+
+
+def test_compiled_model_is_refused_with_what_to_change():
+    class Compiled(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.compile(self.model)
+
+    with pytest.raises(ValueError, match=r"torch\.compile.*Remove"):
+        fit(Compiled, {**CPU, "devices": 2, "strategy": "roundpipe"})
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_non_finite_loss_stops_before_the_update(async_optimizer):
+    class Diverging(BoringPipeline):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.trainer.global_step == 2:
+                x = x * float("nan")
+            return lightning_roundpipe.pipeline_loss(self.model, x, y, F.mse_loss)
+
+    module = Diverging()
+    seen = []
+
+    class Keep(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append(flat_weights(pl_module).clone())
+
+    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer)
+    trainer = L.Trainer(
+        **CPU,
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        callbacks=[Keep()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(FloatingPointError, match=r"step 2 is nan.*Lower the learning rate"):
+        trainer.fit(module, boring_data())
+    assert torch.isfinite(flat_weights(module)).all()  # no non-finite update reached the weights
+    assert len(seen) == 2
+
+
+def test_inputs_of_the_wrong_dtype_name_the_worker_and_the_dtypes():
+    class Doubles(BoringPipeline):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return lightning_roundpipe.pipeline_loss(self.model, x.double(), y, F.mse_loss)
+
+    with pytest.raises(RuntimeError, match=r"(?i)double.*float|float.*double") as info:
+        fit(Doubles, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    assert "raised by roundpipe worker" in "".join(getattr(info.value, "__notes__", []))
