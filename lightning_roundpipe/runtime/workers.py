@@ -21,8 +21,8 @@ class PipelineAborted(Exception):
 class Gate:
     """A one-shot signal between threads that an abort can open early.
 
-    ``wait`` returns once the gate is set, or raises :class:`PipelineAborted` if it was opened by an
-    abort, so no thread waits forever on work that will never happen.
+    ``wait`` returns once the gate is set, or raises :class:`PipelineAborted` once the pipeline is
+    aborted (opened or not), so no thread waits forever on work that will never happen.
     """
 
     __slots__ = ("_abort", "_event")
@@ -37,8 +37,14 @@ class Gate:
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    _POLL_S = 0.05
+
     def wait(self) -> None:
-        self._event.wait()
+        # Wakes on the abort too, even when nobody sets this gate any more (a gate of a batch that had
+        # already left the engine's books when another thread failed): a wait never outlives an abort.
+        while not self._event.wait(self._POLL_S):
+            if self._abort.is_set():
+                raise PipelineAborted
         if self._abort.is_set():
             raise PipelineAborted
 
