@@ -260,3 +260,34 @@ def test_forward_only_pass_on_gpu_equals_the_plain_model():
         want = model(x)
     assert out.device.type == "cpu" and relative_error(out, want) <= 1e-5
     assert relative_error(loss, F.mse_loss(want, y)) <= 1e-5
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_same_seed_gives_bit_identical_weights_on_gpu(asynchronous):
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    def run() -> torch.Tensor:
+        model = mlp(dropout=0.1)  # dropout: each device's generator is seeded per layer and micro-batch
+        devices = [CudaWorkerDevice("cuda:0", i) for i in range(2)]
+        engine = PipelineEngine(
+            list(model.children()), devices, plan=StagePlan.parse("3,3|2,2,2,2"), microbatches_per_round=3,
+            asynchronous=asynchronous, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16, seed=7,
+        )  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        try:
+            for _ in range(4):
+                engine.train_batch(torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g), F.mse_loss)
+                if asynchronous:
+                    engine.submit_step(UpdateSpec.capture(opt))
+                else:
+                    engine.store.install_grads()
+                    opt.step()
+                    engine.store.clear_grads()
+                    engine.store.mark_dirty()
+            engine.flush()
+        finally:
+            engine.close()
+        return flat_weights(model)
+
+    assert torch.equal(run(), run())
