@@ -1,0 +1,259 @@
+"""roundpipe against plain training, FSDP CPU offload and DeepSpeed ZeRO-Offload / ZeRO-Infinity, through Lightning.
+
+Every system trains the same randomly initialised model (``benchmarks/qwen3_shape.py``: Qwen3-1.7B or
+Qwen3-4B shape, tied embeddings, the chunked LM-head loss) in bf16 with the same tokens per optimizer
+step, sequence length ``--seq-len``:
+
+- ``plain``: the model on the GPU, every block checkpointed, ``AdamW(fused=True)`` on the GPU;
+- ``fsdp-offload``: ``FSDPStrategy(cpu_offload=True)``, blocks wrapped and checkpointed, fused AdamW on
+  the CPU-resident parameters;
+- ``zero3-offload``: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded (pinned), blocks
+  checkpointed, ``DeepSpeedCPUAdam``;
+- ``zero2-offload``: DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload), ``DeepSpeedCPUAdam``;
+- ``roundpipe``: ``RoundPipeStrategy`` (automatic plan, asynchronous optimizer), fused AdamW on the host.
+
+The baselines see micro-batches of ``--micro-batch`` sequences with gradient accumulation; roundpipe
+takes the whole step as one batch of ``--seqs // --micro-batch`` micro-batches. ``--gpu-gib`` caps
+the card (``torch.cuda.set_per_process_memory_fraction``). One process per configuration (the
+``_driver``); a failed configuration is recorded with its error (e.g. out of memory) and the rest go
+on. ``--max-seq CONFIG,...`` instead finds each system's longest sequence at micro-batch 1 (fresh
+process per probe, doubling then bisecting, 2 optimizer steps each). DeepSpeed comes from wheels
+carried to the GPU machine (``pip install wheels/*.whl``); its CPU Adam builds there on first use.
+
+    python benchmarks/baselines.py --out benchmarks/results/baselines.json
+    python benchmarks/baselines.py --gpu-gib 24 --out benchmarks/results/baselines-24gb.json
+    python benchmarks/baselines.py --max-seq roundpipe,zero2-offload --gpu-gib 24 --out benchmarks/results/maxseq.json
+
+``--device cpu --model debug --configs plain,roundpipe`` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _driver import run_configs, write
+from bubble_check import Tokens
+from qwen3_shape import SHAPES, Block, build, flops_per_token, init, num_parameters
+
+import lightning_roundpipe
+from lightning_roundpipe import RoundPipeStrategy
+
+CONFIGS = ("plain", "fsdp-offload", "zero3-offload", "zero2-offload", "roundpipe")
+GiB = 2**30
+
+
+class Model(L.LightningModule):
+    """The shaped ``nn.Sequential``; blocks checkpointed under the baselines, pipelined under roundpipe."""
+
+    def __init__(self, shape: Any, optimizer: str) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            model = build(shape)
+        self.model = init(model.to_empty(device="cpu"))
+        self.optimizer = optimizer
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        if isinstance(self.trainer.strategy, RoundPipeStrategy):
+            return lightning_roundpipe.pipeline_loss(
+                self.model, (tokens, labels), labels, lambda out, _: out, reduction=lambda t: (t != -100).sum()
+            )
+        layers = list(self.model.children())
+        x = layers[0]((tokens, labels))
+        for block in layers[1:-1]:
+            x = checkpoint(block, x, use_reentrant=False)
+        return layers[-1](x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "deepspeed-cpu-adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(self.parameters(), lr=1e-5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+
+
+class Clock(L.Callback):
+    """Optimizer-step timestamps (after the first ``warmup`` steps) and the GPU peak from then on."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.stamps: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        if trainer.global_step == self.warmup and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        if trainer.global_step >= self.warmup:
+            self.stamps.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.flush()  # roundpipe: the last update lands inside the timed window
+        elif torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+
+
+def strategy_for(config: str, accumulate: int) -> tuple[Any, str]:
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if config == "plain":
+        return "auto", "fused-adamw"
+    if config == "roundpipe":
+        return RoundPipeStrategy(num_microbatches=accumulate), "fused-adamw"
+    if config == "fsdp-offload":
+        strategy = FSDPStrategy(
+            cpu_offload=True, auto_wrap_policy={Block}, activation_checkpointing_policy=None,
+            sharding_strategy="FULL_SHARD", limit_all_gathers=True, use_orig_params=True,
+        )  # fmt: skip
+        return strategy, "fused-adamw"
+    common = dict(
+        pin_memory=True, allgather_bucket_size=int(5e8), reduce_bucket_size=int(5e8), logging_batch_size_per_gpu=1
+    )
+    if config == "zero3-offload":
+        return DeepSpeedStrategy(
+            stage=3, offload_optimizer=True, offload_parameters=True, **common
+        ), "deepspeed-cpu-adam"
+    if config == "zero2-offload":
+        return DeepSpeedStrategy(stage=2, offload_optimizer=True, **common), "deepspeed-cpu-adam"
+    raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    shape = SHAPES[args.model]
+    cuda = args.device == "cuda"
+    if cuda and args.gpu_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            args.gpu_gib * GiB / torch.cuda.get_device_properties(0).total_memory
+        )
+    roundpipe = args.run == "roundpipe"
+    accumulate = max(1, args.seqs // args.micro_batch)
+    strategy, optimizer = strategy_for(args.run, accumulate)
+    L.seed_everything(0, verbose=False)
+    module = Model(shape, optimizer)
+    steps = args.warmup + args.steps
+    batch = args.seqs if roundpipe else args.micro_batch
+    data = DataLoader(Tokens(shape, args.seqs * steps, args.seq_len), batch_size=batch)
+    clock = Clock(args.warmup)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=args.workers if roundpipe else 1,
+        precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=1 if roundpipe else accumulate,
+        logger=False, callbacks=[clock], enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    seconds = clock.stamps[-1] - clock.stamps[0]
+    timed = len(clock.stamps) - 1
+    tokens_per_s = args.seqs * args.seq_len * timed / seconds
+    return {
+        "tokens_per_s": tokens_per_s,
+        "step_s": seconds / timed,
+        "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
+        "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
+        "parameters": num_parameters(module.model),
+        "gpu_cap_gib": args.gpu_gib or None,
+        "seq_len": args.seq_len,
+    }
+
+
+def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, str]:
+    """One fresh process at ``seq_len``, micro-batch 1, 2 optimizer steps: did it fit, and what ran out."""
+    cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
+           "--seqs", "1", "--micro-batch", "1", "--seq-len", str(seq_len), "--steps", "1", "--warmup", "1",
+           "--workers", str(args.workers)]  # fmt: skip
+    if args.gpu_gib:
+        cmd += ["--gpu-gib", str(args.gpu_gib)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False, "time limit"
+    if proc.returncode == 0 and "RESULT " in proc.stdout:
+        return True, ""
+    err = proc.stderr[-4000:]
+    if "CUDA out of memory" in err or "OutOfMemoryError" in err:
+        return False, "GPU memory"
+    if proc.returncode in (-9, 137) or "Cannot allocate memory" in err or "MemoryError" in err:
+        return False, "host memory"
+    return False, "error: " + err.strip().splitlines()[-1][:200] if err.strip() else f"exit {proc.returncode}"
+
+
+def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
+    """Double from ``--seq-len`` until a probe fails, then bisect to ``--seq-step`` tokens."""
+    good, bad, why, seq = 0, None, "", args.seq_len
+    while bad is None and seq <= args.seq_cap:
+        ok, reason = probe(args, config, seq)
+        print(f"{config}: {seq} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
+        if ok:
+            good, seq = seq, seq * 2
+        else:
+            bad, why = seq, reason
+    while bad is not None and bad - good > args.seq_step:
+        mid = (good + bad) // 2 // args.seq_step * args.seq_step or args.seq_step
+        ok, reason = probe(args, config, mid)
+        print(f"{config}: {mid} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
+        good, bad, why = (mid, bad, why) if ok else (good, mid, reason)
+    return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", choices=CONFIGS, help="run one configuration in this process")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--max-seq", default=None, help="configurations whose longest sequence to find instead")
+    p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--workers", type=int, default=1, help="roundpipe workers (GPUs)")
+    p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
+    p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq-cap", type=int, default=262144)
+    p.add_argument("--seq-step", type=int, default=1024)
+    p.add_argument("--probe-timeout", type=int, default=300)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+    if args.max_seq:
+        results = [max_seq(args, c) for c in args.max_seq.split(",")]
+        write(args.out, sys.argv[1:], __file__, results)
+        return
+    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out", "max_seq")}
+    results = run_configs(__file__, args.configs.split(","), shared)
+    by = {r["config"]: r for r in results if "error" not in r}
+    print(f"\n{'config':15} {'tokens/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>9}  roundpipe/this")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:15} failed")
+            continue
+        ratio = by["roundpipe"]["tokens_per_s"] / r["tokens_per_s"] if "roundpipe" in by else float("nan")
+        r["roundpipe_over_this"] = ratio
+        print(f"{r['config']:15} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} {r['peak_gpu_gib']:8.2f}"
+              f" {r['peak_host_gib']:9.2f}  {ratio:.2f}")  # fmt: skip
+    write(args.out, sys.argv[1:], __file__, results)
+
+
+if __name__ == "__main__":
+    main()
