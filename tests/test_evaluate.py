@@ -79,3 +79,17 @@ def test_evaluating_between_steps_sees_the_masters_and_changes_no_training_numbe
     weights, losses = train(True)
     assert torch.equal(weights, plain_weights)  # validation changed nothing in training
     assert len(losses) == 4 and losses[0] != losses[-1]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_a_batch_smaller_than_the_microbatch_count_is_evaluated_whole(size):
+    model = mlp().eval()
+    engine = engine_for(copy.deepcopy(model).eval(), mbs=3, rounds=2)  # 6 micro-batches, 2 workers
+    x, y = batch(size)
+    try:
+        loss, out = engine.evaluate(x, y, F.mse_loss), engine.evaluate(x)
+    finally:
+        engine.close()
+    with torch.no_grad():
+        want = model(x)
+    assert relative_error(out, want) <= 1e-6 and relative_error(loss, F.mse_loss(want, y)) <= 1e-6

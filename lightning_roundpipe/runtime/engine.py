@@ -32,7 +32,7 @@ from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker, StepWindow, UpdateJob, UpdateSpec
 from lightning_roundpipe.runtime.profile import (
     LayerProfile,
@@ -168,7 +168,7 @@ class PipelineEngine:
         self._windows: dict[int, StepWindow] = {0: StepWindow(self._abort)}
         self._cast_done: dict[int, dict[int, Gate]] = {}
         self._evaluation_stash: dict[int, Tensor] | None = None
-        self._eval_schedules: dict[tuple[StagePlan, int], Schedule] = {}
+        self._eval_schedules: dict[tuple[StagePlan, int, int, int], Schedule] = {}
         self._eval_calls = 0
         self._closed = False
         self._warned_empty = False
@@ -425,15 +425,20 @@ class PipelineEngine:
         self._check_usable()
         if not self.asynchronous:
             self.store.sync_compute()
-        how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
-        mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
+        # a small batch (the last of a validation set) runs as fewer micro-batches, one round: nothing is
+        # kept for backward, so the micro-batch count changes no number, only how the work is spread
+        size = batch_size(inputs, "the inputs")
+        per_round, rounds = self.microbatches_per_round, self.num_rounds
+        if size < self.num_microbatches:
+            per_round, rounds = size, 1
+        how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
+        mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction) if loss_fn is not None else []
-        key = (self.plan, self.dispatch_position)
+        key = (self.plan, self.dispatch_position, per_round, rounds)
         if key not in self._eval_schedules:
             compute_only = round_robin(
-                self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, self.dispatch_position,
-                forward_only=True,
-            )  # fmt: skip
+                self.plan, self.num_workers, per_round, rounds, self.dispatch_position, forward_only=True
+            )
             schedule = add_transfers(compute_only, self.overlap)
             validate(schedule)
             self._eval_schedules[key] = schedule
