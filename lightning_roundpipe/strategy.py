@@ -14,6 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only as _fabric_rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -31,6 +38,7 @@ pl = lightning_package(globals())
 _precision = sibling("precision", globals())
 _checkpoint_io = sibling("checkpoint_io", globals())
 _ParallelStrategy = pl.strategies.ParallelStrategy
+_rank_zero_only = pl.utilities.rank_zero_only
 _TrainerFn = pl.trainer.states.TrainerFn
 _call = pl.trainer.call
 _is_overridden = pl.utilities.model_helpers.is_overridden
@@ -116,6 +124,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self._in_eval_step = False
         self._step_loss: Tensor | None = None
         self._num_nodes = 1
+        self._grad_group: Any = None
 
     # ------------------------------------------------------------------ one process, many devices
     @property
@@ -126,17 +135,18 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     @property
     def is_distributed(self) -> bool:
-        return False
+        """Several nodes: one process per node, data parallel across them."""
+        return self._num_nodes > 1
 
     @property
     @override
     def world_size(self) -> int:
-        return 1
+        return self._num_nodes
 
     @property
     @override
     def global_rank(self) -> int:
-        return 0
+        return self.node_rank
 
     @property
     @override
@@ -146,7 +156,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     @property
     @override
     def node_rank(self) -> int:
-        return 0
+        if self._num_nodes == 1 or self.cluster_environment is None:
+            return 0
+        return self.cluster_environment.node_rank()
 
     @property
     def num_nodes(self) -> int:
@@ -154,17 +166,16 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != 1:
-            raise ValueError(
-                f"`Trainer(strategy='roundpipe', num_nodes={num_nodes})` is not supported yet: roundpipe drives"
-                " the devices of one machine from one process. Use num_nodes=1."
-            )
+        if num_nodes < 1:
+            raise ValueError(f"`Trainer(strategy='roundpipe', num_nodes={num_nodes})` must be at least 1")
         self._num_nodes = num_nodes
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        return None
+        if self._num_nodes == 1:
+            return None
+        return {"num_replicas": self._num_nodes, "rank": self.node_rank}
 
     @property
     def worker_devices(self) -> list[torch.device]:
@@ -174,6 +185,21 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def setup_environment(self) -> None:
         assert self.accelerator is not None
         self.accelerator.setup_device(self.worker_devices[0])
+        if self._num_nodes > 1:
+            self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        """One process per node joins a gloo process group (host tensors are what nodes exchange), plus a
+        second group for the gradients the optimizer thread reduces, so they never interleave with the
+        main thread's collectives (metrics, barriers)."""
+        import torch.distributed as dist
+
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank)
+        self.cluster_environment.set_world_size(self._num_nodes)
+        _rank_zero_only.rank = _fabric_rank_zero_only.rank = self.node_rank
+        _init_dist_connection(self.cluster_environment, "gloo", self.node_rank, self._num_nodes)
+        self._grad_group = dist.new_group(backend="gloo")
 
     @override
     def model_to_device(self) -> None:
@@ -181,19 +207,45 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        return tensor
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def _reduce_grad(self, grad: Tensor) -> None:
+        """Average one flat gradient buffer over the nodes (in place; from the optimizer thread or the main one)."""
+        torch.distributed.all_reduce(grad, group=self._grad_group)
+        grad.div_(self._num_nodes)
+
+    def _reduce_grads(self) -> None:
+        assert self.engine is not None
+        for group in self.engine.store.groups:
+            if group.grad is not None:
+                self._reduce_grad(group.grad)
+
+    def _broadcast_weights(self) -> None:
+        """Every node starts from node 0's weights and buffers, as DDP does."""
+        assert self.engine is not None
+        for group in self.engine.store.groups:
+            torch.distributed.broadcast(group.data, 0)
+        self.engine.store.mark_dirty()
+        self.engine.store.sync_compute()
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -305,7 +357,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             asynchronous=asynchronous,
             profile_steps=self.profile_steps,
             memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
+            grad_reducer=self._reduce_grad if asynchronous and self._num_nodes > 1 else None,
         )
+        if self._num_nodes > 1:
+            self._broadcast_weights()
         if hf_model is not None:
             from lightning_roundpipe.models import hf
 
@@ -439,6 +494,14 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         assert self.engine is not None
         if not self.async_optimizer:
+            if self._num_nodes > 1:
+                inner = closure
+
+                def closure() -> Any:  # the step's gradients, averaged over the nodes before clipping and the step
+                    result = inner()
+                    self._reduce_grads()
+                    return result
+
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
             self.engine.store.clear_grads()
             self.engine.store.mark_dirty()  # the next batch uploads the updated weights

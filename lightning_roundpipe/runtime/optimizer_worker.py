@@ -81,9 +81,15 @@ class OptimizerWorker:
     """One thread applying submitted updates in order."""
 
     def __init__(
-        self, store: HostStore, on_error: Callable[[BaseException], None], trace: list[tuple[Any, ...]] | None = None
+        self,
+        store: HostStore,
+        on_error: Callable[[BaseException], None],
+        trace: list[tuple[Any, ...]] | None = None,
+        grad_reducer: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.store = store
+        self.grad_reducer = grad_reducer
+        """Applied to each group's gradient once complete, before clipping and the step (across nodes)."""
         self.trace = trace
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
@@ -147,13 +153,21 @@ class OptimizerWorker:
         for group, hyper in zip(shadow.param_groups, job.spec.hyperparameters):
             group.update(hyper)
         coefficient = 1.0
+        reduced: set[int] = set()
+
+        def complete(g: int) -> None:
+            job.grads_complete[g].wait()
+            if self.grad_reducer is not None and g not in reduced:
+                self.grad_reducer(self._grad(g))  # in update order on every node: the collectives line up
+                reduced.add(g)
+
         if job.spec.clip_value is not None and job.spec.clip_algorithm == "norm":
             for g in job.groups:  # the global norm needs every gradient of the step
-                job.grads_complete[g].wait()
+                complete(g)
             total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
             coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
         for g in job.groups:
-            job.grads_complete[g].wait()
+            complete(g)
             start = time.perf_counter()
             grad = self._grad(g)
             if job.spec.clip_value is not None and job.spec.clip_algorithm == "value":
