@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int) -> list[dict]:
+def start_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int, *extra: str) -> list:
     port = free_port()
     procs = []
     for rank in range(num_nodes):
@@ -53,7 +53,13 @@ def launch_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epo
             env.pop(key, None)
         out = tmp_path / f"node{rank}.pt"
         cmd = [sys.executable, str(HERE / "node_run.py"), str(out), str(num_nodes), mode, str(batch_size), str(epochs)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        procs.append((subprocess.Popen([*cmd, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True), out))  # fmt: skip
+    return procs
+
+
+def launch_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int) -> list[dict]:
+    procs = start_nodes(tmp_path, num_nodes, mode, batch_size, epochs)
     results = []
     for proc, out in procs:
         log, _ = proc.communicate(timeout=240)
@@ -75,3 +81,19 @@ def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode
     dataset = boring_data().dataset
     single = fit(BoringPipeline, trainer_kwargs, data=DataLoader(dataset, batch_size=12, sampler=EpochPermutation(96)))
     assert relative_error(nodes[0]["weights"], flat_weights(single)) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path, mode):
+    import time
+
+    procs = start_nodes(tmp_path, 2, mode, 6, 2, "3", "1")  # node 1 ends abruptly at step 3
+    start = time.monotonic()
+    (survivor, _), (dead, _) = procs
+    dead.wait(timeout=120)
+    log, _ = survivor.communicate(timeout=120)
+    assert dead.returncode == 3
+    assert survivor.returncode != 0, log[-2000:]
+    assert time.monotonic() - start < 120
+    assert "Connection" in log or "connection" in log or "peer" in log, log[-2000:]
