@@ -29,6 +29,7 @@ from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
 from lightning_roundpipe.runtime.engine import PipelineEngine
+from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.microbatch import Reduction
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule.plan import StagePlan
@@ -125,6 +126,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self._step_loss: Tensor | None = None
         self._num_nodes = 1
         self._grad_group: Any = None
+        self._exchange: NodeExchange | None = None
 
     # ------------------------------------------------------------------ one process, many devices
     @property
@@ -228,17 +230,6 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
-    def _reduce_grad(self, grad: Tensor) -> None:
-        """Average one flat gradient buffer over the nodes (in place; from the optimizer thread or the main one)."""
-        torch.distributed.all_reduce(grad, group=self._grad_group)
-        grad.div_(self._num_nodes)
-
-    def _reduce_grads(self) -> None:
-        assert self.engine is not None
-        for group in self.engine.store.groups:
-            if group.grad is not None:
-                self._reduce_grad(group.grad)
-
     def _broadcast_weights(self) -> None:
         """Every node starts from node 0's weights and buffers, as DDP does."""
         assert self.engine is not None
@@ -270,6 +261,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        if self._exchange is not None:  # keep only the states of the groups this node updates
+            for optimizer in self.optimizers:
+                for g, owner in self._exchange.owner.items():
+                    if owner != self.node_rank:
+                        for p, _ in self.engine.store.groups[g].params:  # type: ignore[union-attr]
+                            optimizer.state.pop(p, None)
         if self.engine is not None and "roundpipe" in checkpoint:
             self.engine.load_state_dict(checkpoint["roundpipe"])
 
@@ -315,6 +312,11 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             sequential = find_pipelined_module(module)
             layers = list(sequential.children())
         asynchronous = self.async_optimizer and training
+        if self._num_nodes > 1 and self.precision_plugin.precision == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' across nodes is not supported yet: every node would have to agree on"
+                " skipping a step. Use precision='bf16-mixed' (no loss scaling needed) with num_nodes > 1."
+            )
         if asynchronous:
             if self.precision_plugin.precision == "16-mixed":
                 raise ValueError(
@@ -357,10 +359,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             asynchronous=asynchronous,
             profile_steps=self.profile_steps,
             memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
-            grad_reducer=self._reduce_grad if asynchronous and self._num_nodes > 1 else None,
         )
         if self._num_nodes > 1:
             self._broadcast_weights()
+            self._exchange = NodeExchange(self.engine.store, self._grad_group, self.node_rank, self._num_nodes)
+            if asynchronous:
+                self.engine.use_exchange(self._exchange)
         if hf_model is not None:
             from lightning_roundpipe.models import hf
 
@@ -494,15 +498,22 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         assert self.engine is not None
         if not self.async_optimizer:
-            if self._num_nodes > 1:
+            exchange = self._exchange
+            if exchange is not None:
                 inner = closure
+                trainer = self.lightning_module.trainer
 
-                def closure() -> Any:  # the step's gradients, averaged over the nodes before clipping and the step
+                def closure() -> Any:  # gradients to their owners, clipped over all nodes, before the step
                     result = inner()
-                    self._reduce_grads()
+                    exchange.reduce_all()
+                    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+                        exchange.clip_norm(float(trainer.gradient_clip_val))  # Lightning's own clip is then a no-op
+                    exchange.drop_foreign_grads()  # the optimizer steps (and keeps state for) this node's groups
                     return result
 
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if exchange is not None:
+                exchange.broadcast_all()
             self.engine.store.clear_grads()
             self.engine.store.mark_dirty()  # the next batch uploads the updated weights
             return output
@@ -530,7 +541,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         self._flush()
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        if self._exchange is not None:  # each node holds the states of its groups: gather them (collective)
+            shards: list[Any] = [None] * self._num_nodes
+            torch.distributed.all_gather_object(shards, state["state"])
+            state = {**state, "state": {k: v for shard in shards for k, v in shard.items()}}
+        return state
 
     @override
     def on_train_end(self) -> None:

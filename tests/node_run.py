@@ -26,13 +26,17 @@ class DieAt(L.Callback):
 def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epochs: int, die_at: int = -1) -> None:
     L.seed_everything(1, verbose=False)
     module = BoringPipeline()
+    clip = float(os.environ.get("CLIP", "0")) or None
+    callbacks: list[L.Callback] = [DieAt(die_at)] if die_at >= 0 else []
+    if os.environ.get("CKPT_DIR"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.environ["CKPT_DIR"], filename="{epoch}"))
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes, max_epochs=epochs, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        callbacks=[DieAt(die_at)] if die_at >= 0 else [],
+        enable_progress_bar=False, enable_checkpointing=bool(os.environ.get("CKPT_DIR")), enable_model_summary=False,
+        callbacks=callbacks, gradient_clip_val=clip,
     )  # fmt: skip
-    trainer.fit(module, boring_data(batch_size=batch_size))
+    trainer.fit(module, boring_data(batch_size=batch_size), ckpt_path=os.environ.get("RESUME") or None)
     sampler = trainer.train_dataloader.sampler
     result = {
         "weights": torch.cat([p.detach().flatten() for p in module.parameters()]),
@@ -40,6 +44,7 @@ def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epoch
         "world_size": trainer.world_size,
         "steps": trainer.global_step,
         "sampler": (type(sampler).__name__, getattr(sampler, "shuffle", None)),
+        "optimizer_state": sorted(n for n, p in module.named_parameters() if p in trainer.optimizers[0].state),
     }
     torch.save(result, out)
 

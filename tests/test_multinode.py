@@ -43,12 +43,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int, *extra: str) -> list:
+def start_nodes(
+    tmp_path: Path,
+    num_nodes: int,
+    mode: str,
+    batch_size: int,
+    epochs: int,
+    *extra: str,
+    clip: float = 0.0,
+    env_extra: dict[str, str] | None = None,
+) -> list:
+    env_extra = env_extra or {}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
     for rank in range(num_nodes):
+        path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(rank),
-               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+               "PYTHONPATH": path, "CLIP": str(clip), **env_extra}  # fmt: skip
         for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK"):
             env.pop(key, None)
         out = tmp_path / f"node{rank}.pt"
@@ -58,8 +70,10 @@ def start_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epoc
     return procs
 
 
-def launch_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int) -> list[dict]:
-    procs = start_nodes(tmp_path, num_nodes, mode, batch_size, epochs)
+def launch_nodes(
+    tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int, clip: float = 0.0, **env: str
+) -> list:
+    procs = start_nodes(tmp_path, num_nodes, mode, batch_size, epochs, clip=clip, env_extra=env)
     results = []
     for proc, out in procs:
         log, _ = proc.communicate(timeout=240)
@@ -69,18 +83,24 @@ def launch_nodes(tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epo
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode):
-    nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2)
+@pytest.mark.parametrize("mode, clip", [("sync", 0.0), ("async", 0.0), ("sync", 0.05), ("async", 0.05)])
+def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode, clip):
+    nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2, clip=clip)
     assert [n["rank"] for n in nodes] == [0, 1] and all(n["world_size"] == 2 for n in nodes), nodes
     assert nodes[0]["sampler"] == ("DistributedSampler", True)  # Lightning put in the strategy's sampler
     assert torch.equal(nodes[0]["weights"], nodes[1]["weights"])  # the nodes stay in step
     # one process, batches of 12: the samples both nodes drew in that step (DistributedSampler's permutation)
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=mode == "async")
     trainer_kwargs = {"accelerator": "cpu", "devices": 2, "strategy": strategy, "max_epochs": 2}
+    if clip:
+        trainer_kwargs["gradient_clip_val"] = clip
     dataset = boring_data().dataset
     single = fit(BoringPipeline, trainer_kwargs, data=DataLoader(dataset, batch_size=12, sampler=EpochPermutation(96)))
     assert relative_error(nodes[0]["weights"], flat_weights(single)) <= 1e-5
+    # optimizer states are sharded: each node keeps those of the groups it updates, together all of them
+    shards = [set(n["optimizer_state"]) for n in nodes]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]
+    assert shards[0] | shards[1] == {name for name, _ in BoringPipeline().named_parameters()}
 
 
 @pytest.mark.timeout(300)
@@ -97,3 +117,16 @@ def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path, mode
     assert survivor.returncode != 0, log[-2000:]
     assert time.monotonic() - start < 120
     assert "Connection" in log or "connection" in log or "peer" in log, log[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_states(tmp_path, mode):
+    straight = launch_nodes(tmp_path / "a", 2, mode, 6, 2)
+    launch_nodes(tmp_path / "b", 2, mode, 6, 1, CKPT_DIR=str(tmp_path / "ckpt"))
+    checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(BoringPipeline().parameters()))  # gathered
+    resumed = launch_nodes(tmp_path / "c", 2, mode, 6, 2, RESUME=str(checkpoint))
+    assert relative_error(resumed[0]["weights"], straight[0]["weights"]) <= 1e-6
+    assert resumed[0]["optimizer_state"] and not set(resumed[0]["optimizer_state"]) & set(resumed[1]["optimizer_state"])

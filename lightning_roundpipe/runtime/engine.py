@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_roundpipe.runtime.collector import GradCollector
 from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
@@ -76,9 +77,6 @@ class PipelineEngine:
             the pipeline and casts the previous update into the compute copies on the calling thread
             (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
         memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
-        grad_reducer: asynchronous mode: called by the optimizer thread on each flat gradient buffer
-            once it is complete, before the update (data parallelism across nodes averages it there,
-            overlapping the rest of the backward and the next step).
     """
 
     def __init__(
@@ -99,7 +97,6 @@ class PipelineEngine:
         replan_margin: float = 0.25,
         check_every: int = 50,
         memory_limit: float | None = None,
-        grad_reducer: Callable[[Tensor], None] | None = None,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -200,14 +197,20 @@ class PipelineEngine:
         self._schedules: dict[tuple[StagePlan, int], Schedule] = {}
         self._grad_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         self._grad_chain: dict[int, Gate] = {}
-        self._optimizer = (
-            OptimizerWorker(self.store, self._on_worker_error, grad_reducer=grad_reducer) if asynchronous else None
-        )
+        self._optimizer = OptimizerWorker(self.store, self._on_worker_error) if asynchronous else None
         self._pool = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(self.num_workers)],
             [d.enter_thread for d in devices],
             self._on_worker_error,
         )
+
+    def use_exchange(self, exchange: NodeExchange) -> None:
+        """Data parallelism across nodes, asynchronous mode: the optimizer thread sends each gradient group
+        to the node that owns it once complete, updates the groups this node owns and broadcasts them
+        (overlapping the rest of the backward and the next step)."""
+        if self._optimizer is None:
+            raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
+        self._optimizer.exchange = exchange
 
     @property
     def num_microbatches(self) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
@@ -85,11 +86,11 @@ class OptimizerWorker:
         store: HostStore,
         on_error: Callable[[BaseException], None],
         trace: list[tuple[Any, ...]] | None = None,
-        grad_reducer: Callable[[torch.Tensor], None] | None = None,
+        exchange: NodeExchange | None = None,
     ) -> None:
         self.store = store
-        self.grad_reducer = grad_reducer
-        """Applied to each group's gradient once complete, before clipping and the step (across nodes)."""
+        self.exchange = exchange
+        """Several nodes: gradients go to each group's owner, which updates it and broadcasts the weights."""
         self.trace = trace
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
@@ -152,22 +153,32 @@ class OptimizerWorker:
         shadow, shadows_of = self._shadow(job.spec.optimizer)
         for group, hyper in zip(shadow.param_groups, job.spec.hyperparameters):
             group.update(hyper)
+        exchange = self.exchange
+        clip_norm = job.spec.clip_value is not None and job.spec.clip_algorithm == "norm"
         coefficient = 1.0
         reduced: set[int] = set()
 
         def complete(g: int) -> None:
             job.grads_complete[g].wait()
-            if self.grad_reducer is not None and g not in reduced:
-                self.grad_reducer(self._grad(g))  # in update order on every node: the collectives line up
+            if exchange is not None and g not in reduced:
+                exchange.reduce(g)  # in update order on every node: the collectives pair up
                 reduced.add(g)
 
-        if job.spec.clip_value is not None and job.spec.clip_algorithm == "norm":
-            for g in job.groups:  # the global norm needs every gradient of the step
+        if clip_norm or exchange is not None:
+            for g in job.groups:  # the global norm needs every gradient of the step (and nodes reduce in order)
                 complete(g)
-            total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
+        if clip_norm:
+            assert job.spec.clip_value is not None
+            if exchange is not None:
+                total = exchange.global_norm()
+            else:
+                total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
             coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
         for g in job.groups:
             complete(g)
+            if exchange is not None and not exchange.owns(g):
+                job.consumed[g].set()  # another node updates this group; its gradient was sent there
+                continue
             start = time.perf_counter()
             grad = self._grad(g)
             if job.spec.clip_value is not None and job.spec.clip_algorithm == "value":
@@ -178,6 +189,8 @@ class OptimizerWorker:
             job.consumed[g].set()
             if self.trace is not None:
                 self.trace.append(("update", job.step, g, start, time.perf_counter()))
+        if exchange is not None:
+            exchange.broadcast_all(job.groups)  # every node's masters now hold the update
 
     def _grad(self, g: int) -> torch.Tensor:
         grad = self.store.groups[g].grad
