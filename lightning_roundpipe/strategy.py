@@ -231,8 +231,21 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def _broadcast_weights(self) -> None:
-        """Every node starts from node 0's weights and buffers, as DDP does."""
+        """Every node starts from node 0's weights and buffers, as DDP does (after checking that every
+        node holds the same model: a mismatch would otherwise pair collectives of different sizes)."""
         assert self.engine is not None
+        mine = [(g.kind, str(g.data.dtype), g.data.numel()) for g in self.engine.store.groups]
+        everyone: list[Any] = [None] * self._num_nodes
+        torch.distributed.all_gather_object(everyone, mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                pairs = zip(theirs, everyone[0])
+                first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(theirs), len(everyone[0])))
+                raise ValueError(
+                    f"node {rank}'s model differs from node 0's ({len(theirs)} vs {len(everyone[0])} flat groups,"
+                    f" first difference at group {first}). Every node must build the same model with the same"
+                    " trainable parameters."
+                )
         for group in self.engine.store.groups:
             torch.distributed.broadcast(group.data, 0)
         self.engine.store.mark_dirty()

@@ -12,6 +12,11 @@ from helpers import BoringPipeline, boring_data
 from lightning_roundpipe import RoundPipeStrategy
 
 
+class Logged(BoringPipeline):
+    def on_train_epoch_end(self) -> None:
+        self.log("node_rank_mean", float(self.trainer.global_rank), sync_dist=True)
+
+
 class DieAt(L.Callback):
     """This node's process ends abruptly (as if its machine went down) at a given step."""
 
@@ -25,7 +30,8 @@ class DieAt(L.Callback):
 
 def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epochs: int, die_at: int = -1) -> None:
     L.seed_everything(1, verbose=False)
-    module = BoringPipeline()
+    different = os.environ.get("WIDTH_RANK") == os.environ.get("NODE_RANK")  # a node with another model
+    module = Logged(width=int(os.environ["WIDTH"]) if different else 16)
     clip = float(os.environ.get("CLIP", "0")) or None
     callbacks: list[L.Callback] = [DieAt(die_at)] if die_at >= 0 else []
     if os.environ.get("CKPT_DIR"):
@@ -44,6 +50,7 @@ def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epoch
         "world_size": trainer.world_size,
         "steps": trainer.global_step,
         "sampler": (type(sampler).__name__, getattr(sampler, "shuffle", None)),
+        "logged": float(trainer.callback_metrics["node_rank_mean"]),
         "optimizer_state": sorted(n for n, p in module.named_parameters() if p in trainer.optimizers[0].state),
     }
     torch.save(result, out)

@@ -88,6 +88,7 @@ def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode
     nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2, clip=clip)
     assert [n["rank"] for n in nodes] == [0, 1] and all(n["world_size"] == 2 for n in nodes), nodes
     assert nodes[0]["sampler"] == ("DistributedSampler", True)  # Lightning put in the strategy's sampler
+    assert nodes[0]["logged"] == nodes[1]["logged"] == 0.5  # self.log(..., sync_dist=True) averages nodes
     assert torch.equal(nodes[0]["weights"], nodes[1]["weights"])  # the nodes stay in step
     # one process, batches of 12: the samples both nodes drew in that step (DistributedSampler's permutation)
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=mode == "async")
@@ -130,3 +131,12 @@ def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_state
     resumed = launch_nodes(tmp_path / "c", 2, mode, 6, 2, RESUME=str(checkpoint))
     assert relative_error(resumed[0]["weights"], straight[0]["weights"]) <= 1e-6
     assert resumed[0]["optimizer_state"] and not set(resumed[0]["optimizer_state"]) & set(resumed[1]["optimizer_state"])
+
+
+@pytest.mark.timeout(120)
+def test_nodes_with_different_models_are_refused(tmp_path):
+    procs = start_nodes(tmp_path, 2, "sync", 6, 1, env_extra={"WIDTH": "20", "WIDTH_RANK": "1"})
+    for proc, _ in procs:
+        log, _ = proc.communicate(timeout=100)
+        assert proc.returncode != 0
+        assert "node 1's model differs from node 0's" in log, log[-2000:]
