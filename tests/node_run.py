@@ -30,7 +30,7 @@ class DieAt(L.Callback):
 
 def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epochs: int, die_at: int = -1) -> None:
     L.seed_everything(1, verbose=False)
-    different = os.environ.get("WIDTH_RANK") == os.environ.get("NODE_RANK")  # a node with another model
+    different = "WIDTH_RANK" in os.environ and os.environ["WIDTH_RANK"] == os.environ.get("NODE_RANK")
     module = Logged(width=int(os.environ["WIDTH"]) if different else 16)
     clip = float(os.environ.get("CLIP", "0")) or None
     callbacks: list[L.Callback] = [DieAt(die_at)] if die_at >= 0 else []

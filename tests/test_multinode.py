@@ -140,3 +140,34 @@ def test_nodes_with_different_models_are_refused(tmp_path):
         log, _ = proc.communicate(timeout=100)
         assert proc.returncode != 0
         assert "node 1's model differs from node 0's" in log, log[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_launch_with_torchrun_or_under_slurm_one_process_per_node(tmp_path, launcher):
+    """The launch recipes of docs/multinode.md: torchrun with one process per node; SLURM with one task
+    per node (its variables set as srun sets them)."""
+    import random
+
+    port, job = free_port(), random.randrange(10**6)
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+        args = [str(HERE / "node_run.py"), str(tmp_path / f"node{rank}.pt"), "2", "sync", "6", "1"]
+        if launcher == "torchrun":
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+            cmd = [*torchrun, "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port), *args]
+        else:
+            env.update(SLURM_NODELIST="localhost", SLURM_JOB_ID=str(job), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1",
+                       SLURM_NNODES="2", SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURM_LOCALID="0",
+                       SLURM_JOB_NAME="train")  # fmt: skip
+            cmd = [sys.executable, *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        log, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, log[-3000:]
+    nodes = [torch.load(tmp_path / f"node{rank}.pt") for rank in range(2)]
+    assert [n["rank"] for n in nodes] == [0, 1] and nodes[0]["world_size"] == 2
+    assert torch.equal(nodes[0]["weights"], nodes[1]["weights"]) and nodes[0]["logged"] == 0.5
+    assert not set(nodes[0]["optimizer_state"]) & set(nodes[1]["optimizer_state"])
