@@ -4,8 +4,9 @@ A LightningModule holding the Qwen3-1.7B-shaped ``nn.Sequential`` (``benchmarks/
 trains with ``Trainer(strategy=RoundPipeStrategy(plan="auto"), precision="bf16-mixed")`` on the
 GPUs given, with the monitor logging every step into a CSV logger. After the automatic plan is in
 place, prints per step the measured bubble (``1 - mean busy fraction`` of the workers, where busy is
-the CUDA-event time of the worker's kernels over the interval between batches) and the predicted one,
-and their mean difference in percentage points. ``--device cpu --model debug`` is a smoke test.
+the CUDA-event time of the worker's kernels over the interval between batches), its two parts (idle
+inside the step, between its first and last kernel, and the host gap between steps) and the
+predicted bubble, and the mean differences in percentage points. ``--device cpu --model debug`` is a smoke test.
 
     python benchmarks/bubble_check.py --out benchmarks/results/bubble-check.json
 """
@@ -112,12 +113,14 @@ def main() -> None:
                     "measured": float(r["roundpipe/bubble_measured"]),
                     "predicted": float(r["roundpipe/bubble_predicted"]),
                     "stages": float(r["roundpipe/stages"]),
+                    "in_step": float(r.get("roundpipe/bubble_in_step") or "nan"),
+                    "host_gap": float(r.get("roundpipe/host_gap") or "nan"),
                 }
             )
     print(f"plan {engine_plan}; {len(steps)} steps on the automatic plan; fit took {wall:.0f} s")
-    print(f"{'step':>4} {'measured':>9} {'predicted':>9}")
+    print(f"{'step':>4} {'measured':>9} {'in step':>8} {'host gap':>8} {'predicted':>9}")
     for s in steps:
-        print(f"{s['step']:4d} {s['measured']:9.3f} {s['predicted']:9.3f}")
+        print(f"{s['step']:4d} {s['measured']:9.3f} {s['in_step']:8.3f} {s['host_gap']:8.3f} {s['predicted']:9.3f}")
     if args.timeline and module.timeline:
         from lightning_roundpipe.callbacks import write_timeline
 
@@ -126,12 +129,14 @@ def main() -> None:
     step_s = (last[-1] - last[0]) / (len(last) - 1)
     tokens_per_s = args.seqs * args.seq_len / step_s
     print(f"last {len(last) - 1} steps: {step_s:.3f} s/step, {tokens_per_s:.0f} tokens/s")
-    gap = None
+    gap = in_step_gap = None
     if steps:
         # the step time is averaged over 4 steps: the first 3 on a new plan still include profiling steps
         tail = steps[3:] or steps
         gap = sum(s["measured"] - s["predicted"] for s in tail) / len(tail)
-        print(f"mean measured - predicted over the last {len(tail)} steps: {100 * gap:+.1f} pp")
+        in_step_gap = sum(s["in_step"] - s["predicted"] for s in tail) / len(tail)
+        print(f"mean measured - predicted over the last {len(tail)} steps: {100 * gap:+.1f} pp"
+              f" (inside the step: {100 * in_step_gap:+.1f} pp)")  # fmt: skip
     if args.out:
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         command = "python benchmarks/bubble_check.py " + " ".join(sys.argv[1:])
@@ -140,6 +145,7 @@ def main() -> None:
             "plan": engine_plan,
             "steps": steps,
             "mean_gap_pp": None if gap is None else 100 * gap,
+            "mean_in_step_gap_pp": None if gap is None else 100 * in_step_gap,
             "fit_s": wall,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,

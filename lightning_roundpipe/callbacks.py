@@ -31,6 +31,10 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
     - ``roundpipe/bubble_measured``: ``1 - mean(busy)``
     - ``roundpipe/bubble_predicted``: the simulator's bubble ratio for the current plan and measured
       layer costs (after the automatic plan was made)
+    - ``roundpipe/bubble_in_step``: idle fraction between the step's first and last kernel (the
+      pipeline's own bubble: compare it with the prediction on one worker or synchronously)
+    - ``roundpipe/host_gap``: fraction of the step from its last kernel to the next step's first, when
+      the devices wait for the host
     - ``roundpipe/stages``: slots per round in the current plan
     - ``roundpipe/h2d_gbps``, ``roundpipe/d2h_gbps``: host-to-device and device-to-host bandwidth
       since the previous log
@@ -96,6 +100,10 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/bubble_measured"] = 1.0 - sum(engine.busy.values()) / engine.num_workers
         if engine.predicted_bubble is not None:
             metrics["roundpipe/bubble_predicted"] = engine.predicted_bubble
+        if engine.bubble_in_step is not None:
+            metrics["roundpipe/bubble_in_step"] = engine.bubble_in_step
+        if engine.host_gap is not None:
+            metrics["roundpipe/host_gap"] = engine.host_gap
         now, moved = time.perf_counter(), engine.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9

@@ -37,6 +37,13 @@ def test_monitor_logs_and_writes_files(tmp_path):
         assert key in keys, key  # fmt: skip
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]
     assert measured and all(0 <= b < 1 for b in measured)
+    split = [r for r in rows if r.get("roundpipe/bubble_in_step") and r.get("roundpipe/host_gap")]
+    assert split
+    for r in split:  # busy/period = busy/span x span/period: the two parts make up the measured bubble
+        in_step, gap = float(r["roundpipe/bubble_in_step"]), float(r["roundpipe/host_gap"])
+        assert 0 <= in_step < 1 and 0 <= gap < 1
+        if gap > 0:
+            assert 1 - float(r["roundpipe/bubble_measured"]) == pytest.approx((1 - in_step) * (1 - gap), abs=0.02)
     costs = json.loads((tmp_path / "costs.json").read_text())
     assert len(costs["layers"]) == 9 and costs["plan"]
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]

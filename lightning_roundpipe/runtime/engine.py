@@ -122,6 +122,13 @@ class PipelineEngine:
         """The simulator's bubble ratio for the current plan and measured costs."""
         self.busy: dict[int, float] = {}
         """Per worker, the fraction of the last measured step its device spent computing."""
+        self.bubble_in_step: float | None = None
+        """Idle fraction of the workers between the measured batch's first and last kernel: the
+        pipeline's own bubble, what the simulator predicts (with one worker, or synchronously; with
+        several workers asynchronously, batches overlap and ``busy`` is the one to compare)."""
+        self.host_gap: float | None = None
+        """Fraction of the step between the measured batch's last kernel and the next batch's first:
+        time the devices waited for the host (Lightning's loop, the next batch, its first uploads)."""
         self.last_timeline: list[tuple[int, str, float, float]] = []
         """(worker, action, start, end) of the last measured batch (see :func:`profile.timeline`)."""
         self._profile: LayerProfile | None = LayerProfile(len(layers)) if self.auto_plan else None
@@ -278,8 +285,14 @@ class PipelineEngine:
     def _use_measurements(self, flight: Flight) -> None:
         self.last_timeline = timeline(flight)
         period = self._period(flight.call)
+        busy = busy_seconds(flight)
         if period is not None:
-            self.busy = {w: min(1.0, s / period) for w, s in busy_seconds(flight).items()}
+            self.busy = {w: min(1.0, s / period) for w, s in busy.items()}
+        if self.last_timeline:
+            span = max(end for *_, end in self.last_timeline) - min(start for *_, start in self.last_timeline)
+            if span > 0:
+                self.bubble_in_step = max(0.0, 1.0 - sum(busy.values()) / (self.num_workers * span))
+                self.host_gap = None if period is None else max(0.0, 1.0 - span / period)
         if self._profile is not None and flight.schedule.plan == LayerProfile.plan(len(self.layers)):
             self._profile.add(flight)
             if self._profile.batches >= self.profile_steps:
