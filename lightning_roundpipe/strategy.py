@@ -76,6 +76,14 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             clipping (``Trainer(gradient_clip_val=...)``) runs on the optimizer thread, the LR and
             other hyper-parameters are those in effect when the step is submitted, and ``p.grad``
             is not available in ``on_after_backward`` / ``on_before_optimizer_step``.
+        host_memory_check: before building the engine, estimate the host memory the run needs (model
+            states with AdamW-sized optimizer states, see :func:`~lightning_roundpipe.estimate_host_memory`)
+            and refuse with the table if it exceeds what is available. ``False`` skips the check (an
+            optimizer with smaller states, memory about to be freed).
+        evaluate_hf_in_pipeline: ``self.model(**batch)`` of a Hugging Face model in ``validation_step`` /
+            ``test_step`` with labels runs forward-only through the pipeline and returns the loss only
+            (``logits`` is ``None``: never materialised). ``False`` runs the model's own forward on the host
+            weights instead, with logits (slow for large models).
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning
             strategy; normally filled in by the Trainer from ``accelerator=``, ``devices=`` and
             ``precision=``.
@@ -92,6 +100,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         overlap: Overlap = "priority",
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
+        host_memory_check: bool = True,
+        evaluate_hf_in_pipeline: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -112,6 +122,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.overlap = overlap
         self.gpu_memory = parse_memory(gpu_memory)
         self.async_optimizer = async_optimizer
+        self.host_memory_check = host_memory_check
+        self.evaluate_hf_in_pipeline = evaluate_hf_in_pipeline
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
         self.plan = StagePlan.parse(plan) if isinstance(plan, str) and plan != "auto" else plan
@@ -347,8 +359,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 )
         params = [p for layer in layers for p in layer.parameters()]
         compute_dtype = self.precision_plugin.compute_dtype
-        estimate = estimate_host_memory(params, compute_dtype, asynchronous, 8.0 if training else 0.0)
-        check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
+        state_bytes = 8.0 / self._num_nodes if training else 0.0  # AdamW's two fp32 moments, sharded over nodes
+        estimate = estimate_host_memory(params, compute_dtype, asynchronous, state_bytes)
+        if self.host_memory_check:
+            check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
         devices: list[WorkerDevice] = []
         for index, device in enumerate(self.worker_devices):
             if device.type == "cuda":
@@ -388,8 +402,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
                 return self._train_batch(inputs, target, lambda out, _: out, hf.counted_tokens)
 
             self._interceptor = hf.Interceptor(
-                hf_model, run, lambda: self._in_training_step, lambda: self._in_eval_step
-            )
+                hf_model, run, lambda: self._in_training_step,
+                lambda: self._in_eval_step and self.evaluate_hf_in_pipeline,
+            )  # fmt: skip
         else:
             self._pipelined = sequential
             api.register_runner(sequential, self._run_pipeline)
@@ -439,11 +454,18 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         grad_scale = self.precision_plugin.loss_scale / accumulate
         loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=grad_scale)
-        if not torch.isfinite(loss) and self.precision_plugin.precision != "16-mixed":
+        finite = bool(torch.isfinite(loss))
+        if self._num_nodes > 1 and self.precision_plugin.precision != "16-mixed":
+            # every node must stop on the same step, or the others wait in the gradient exchange
+            flag = torch.tensor([1.0 if finite else 0.0])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            finite = bool(flag.item())
+        if not finite and self.precision_plugin.precision != "16-mixed":
             # 16-mixed skips the step and lowers the loss scale; here an update would spoil every weight
             step = self.lightning_module.trainer.global_step
             raise FloatingPointError(
-                f"the loss of the batch at step {step} is {loss.item()}; roundpipe stops before applying a"
+                f"the loss of the batch at step {step} is {loss.item()} (here or on another node); roundpipe stops"
+                " before applying a"
                 " non-finite update (the weights are those of the last good step, and Lightning's `on_exception`"
                 " hooks can still save them). Lower the learning rate, clip gradients (`gradient_clip_val`),"
                 " check the data, or use precision='16-mixed' to skip such steps."
@@ -459,6 +481,11 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             output = super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
+        if output is None and self._num_nodes > 1:
+            raise RuntimeError(
+                "`training_step` returned None with num_nodes > 1: skipping a batch on one node would leave the"
+                " others waiting in the gradient exchange. Return the loss on every node."
+            )
         if output is None and self._step_loss is not None:
             raise RuntimeError(
                 "`training_step` returned None after `pipeline_loss` already ran the backward; its gradients"

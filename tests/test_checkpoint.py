@@ -102,3 +102,24 @@ def test_checkpoint_state_dict_loads_into_the_plain_model(tmp_path):
     plain = BoringPipeline()
     plain.load_state_dict(state, strict=True)
     assert torch.equal(flat_weights(plain), flat_weights(trained))
+
+
+def test_async_checkpoint_saved_during_validation_resumes_exactly(tmp_path):
+    """ModelCheckpoint saves in on_validation_end (here every second epoch), while the compute copies hold
+    the masters for evaluation: the checkpoint must keep the ones set aside for the next step."""
+
+    def run(directory, epochs, ckpt=None):
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline()
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=3, async_optimizer=True, plan="3,2|4,2,3"),
+            accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, check_val_every_n_epoch=2, num_sanity_val_steps=0,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, boring_data(), boring_data(24), ckpt_path=ckpt)
+        return module
+
+    straight = run(tmp_path / "a", 4)
+    resumed = run(tmp_path / "b", 4, ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
+    assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6

@@ -93,3 +93,22 @@ def test_a_batch_smaller_than_the_microbatch_count_is_evaluated_whole(size):
     with torch.no_grad():
         want = model(x)
     assert relative_error(out, want) <= 1e-6 and relative_error(loss, F.mse_loss(want, y)) <= 1e-6
+
+
+def test_a_microbatch_with_nothing_to_count_adds_nothing_to_the_evaluated_loss():
+    model = mlp().eval()
+    engine = engine_for(copy.deepcopy(model).eval())
+    x = torch.randn(12, 6)
+    labels = torch.randint(0, 3, (12,))
+    labels[:4] = -100  # the first micro-batch holds only ignored targets
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y, ignore_index=-100)
+
+    try:
+        got = engine.evaluate(x, labels, loss_fn, reduction=lambda y: (y != -100).sum())
+    finally:
+        engine.close()
+    with torch.no_grad():
+        want = loss_fn(model(x), labels)
+    assert torch.isfinite(got) and relative_error(got, want) <= 1e-6

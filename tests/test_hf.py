@@ -90,6 +90,8 @@ def test_plain_inputs_drop_masks_and_positions_that_say_nothing():
     packed = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
     mask, pos = hf.plain_inputs(padded, packed)
     assert mask is padded and pos is packed
+    mask, pos = hf.plain_inputs(ones, packed)  # next to packed positions a mask of ones still means something
+    assert mask is ones and pos is packed
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -327,3 +329,19 @@ def test_trained_model_saves_with_save_pretrained_and_loads_back(tmp_path):
     want = module.model.state_dict()
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_validation_with_logits_from_the_host_model_when_asked():
+    class WithLogits(HFModule):
+        def validation_step(self, batch, batch_idx):
+            out = self.model(**batch)
+            self.log("val_loss", out.loss)
+            self.log("val_acc", (out.logits.argmax(-1) == batch["input_ids"]).float().mean())
+
+    module = WithLogits()
+    plain_module = copy.deepcopy(module)
+    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = RoundPipeStrategy(num_microbatches=3, evaluate_hf_in_pipeline=False)
+    got = L.Trainer(strategy=strategy, devices=2, **kwargs).validate(module, hf_data())[0]
+    want = L.Trainer(devices=1, **kwargs).validate(plain_module, hf_data())[0]
+    assert got["val_acc"] == pytest.approx(want["val_acc"]) and got["val_loss"] == pytest.approx(want["val_loss"])

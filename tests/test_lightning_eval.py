@@ -87,3 +87,19 @@ def test_pipeline_forward_in_training_step_says_what_to_use():
     trainer = L.Trainer(strategy=RoundPipeStrategy(num_microbatches=3), devices=2, max_steps=1, **CPU)
     with pytest.raises(RuntimeError, match="pipeline_loss"):
         trainer.fit(Wrong(), boring_data())
+
+
+def test_standalone_validate_under_inference_mode_with_a_shared_buffer_pool(monkeypatch):
+    """trainer.validate runs under torch.inference_mode; buffers the main thread stages go back to a pool
+    the workers reuse (the pinned pool on CUDA, emulated here), so they must not be inference tensors."""
+    from lightning_roundpipe.runtime import host_pool
+
+    init = host_pool.HostPool.__init__
+    monkeypatch.setattr(host_pool.HostPool, "__init__", lambda self, pin: init(self, True))
+    monkeypatch.setattr(host_pool.HostPool, "register", lambda self, t: None)
+    monkeypatch.setattr(host_pool.HostPool, "close", lambda self: None)
+    module = MetricPipeline()
+    plain = L.Trainer(devices=1, **CPU).validate(copy.deepcopy(module), boring_data())[0]
+    trainer = L.Trainer(strategy=RoundPipeStrategy(num_microbatches=3), devices=1, inference_mode=True, **CPU)
+    got = trainer.validate(module, boring_data())[0]
+    assert got["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)

@@ -214,12 +214,14 @@ def plain_inputs(attention_mask: Tensor | None, position_ids: Tensor | None) -> 
     """``None`` for a padding mask of all ones and for positions ``0..T-1`` in every row: what they mean
     is then the causal mask alone. Decided once per batch, on the host; passed on, transformers' mask
     functions check them on the GPU in every layer, and each check waits for the GPU (a host sync)."""
-    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
-        attention_mask = None
     if position_ids is not None:
         arange = torch.arange(position_ids.shape[-1], device=position_ids.device)
         if bool((position_ids == arange).all()):
             position_ids = None
+    # an all-ones mask says nothing only next to plain positions: with the mask gone, transformers would
+    # read packed positions as separate documents, which it does not do while a mask is passed
+    if position_ids is None and attention_mask is not None and attention_mask.dim() == 2 and attention_mask.all():
+        attention_mask = None
     return attention_mask, position_ids
 
 

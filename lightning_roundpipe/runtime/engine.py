@@ -465,14 +465,20 @@ class PipelineEngine:
             validate(schedule)
             self._eval_schedules[key] = schedule
         schedule = self._eval_schedules[key]
-        targets = [self.pool.stage(t) for t in mb_targets] if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
+        # staged buffers go back to a pool the workers reuse: never let them be inference tensors
+        # (trainer.validate/test/predict run under torch.inference_mode)
+        with torch.inference_mode(False):
+            targets = (
+                [self.pool.stage(t) for t in mb_targets] if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
+            )
+            staged = [self.pool.stage(x) for x in mb_inputs]
         self._eval_calls += 1
         flight = Flight(
             -self._eval_calls, schedule, targets, weights, 1.0, loss_fn, self._abort, self.pool, {},
             self._slot_grad_groups(schedule.plan).__getitem__, set(), evaluating=True,
         )  # fmt: skip
-        for m, x in enumerate(mb_inputs):
-            flight.put(("act", 0, m), self.pool.stage(x))
+        for m, x in enumerate(staged):
+            flight.put(("act", 0, m), x)
         attributes = plain_attributes(self.layers)
         with self._error_lock:
             self._live.append((flight, []))
@@ -573,7 +579,10 @@ class PipelineEngine:
             "layer_costs": None if self.layer_costs is None else asdict(self.layer_costs),
         }
         if self.asynchronous and self._cast_done.get(self.step - 1):
-            state["compute"] = {g: self.store.groups[g].compute.clone() for g in self._trainable}
+            stash = self._evaluation_stash or {}  # saved during validation: the copies set aside are the ones
+            state["compute"] = {
+                g: (stash[g] if g in stash else self.store.groups[g].compute).clone() for g in self._trainable
+            }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -367,6 +367,9 @@ class StageExecutor:
         if flight.loss_fn is not None:
             target = dev.upload(flight.targets[m])
             flight.pool.release(flight.targets[m], [target[1]])
+            if flight.weights[m] == 0.0:  # nothing to average over (all targets ignored): adds 0, as in training
+                flight.set_loss(m, Parcel(torch.zeros((), dtype=torch.float32)))
+                return
         with dev.on(dev.compute), torch.no_grad():
             weights = self._slot_tensors(stage, action, gradients=False)
             for event in (x_ready, target and target[1]):
