@@ -6,9 +6,12 @@ step, sequence length ``--seq-len``:
 
 - ``plain``: the model on the GPU, every block checkpointed, ``AdamW(fused=True)`` on the GPU;
 - ``fsdp-offload``: ``FSDPStrategy(cpu_offload=True)``, blocks wrapped and checkpointed, fused AdamW on
-  the CPU-resident parameters;
+  the CPU-resident parameters (caveat: torch's FSDP with CPU offload keeps only the last micro-batch's
+  gradient under accumulation outside ``no_sync``, which Lightning does not use for FSDP: its speed is
+  comparable, its training is not the same);
 - ``zero3-offload``: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded (pinned), blocks
-  checkpointed, ``DeepSpeedCPUAdam``;
+  checkpointed, ``DeepSpeedCPUAdam`` (Lightning and DeepSpeed both divide the loss by the accumulation
+  steps: gradients are 1/accumulation of the true ones; speed is unaffected);
 - ``zero2-offload``: DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload), ``DeepSpeedCPUAdam``;
 - ``roundpipe``: ``RoundPipeStrategy`` (automatic plan, asynchronous optimizer), fused AdamW on the host.
 
@@ -17,7 +20,9 @@ takes the whole step as one batch of ``--seqs // --micro-batch`` micro-batches. 
 the card (``torch.cuda.set_per_process_memory_fraction``). One process per configuration (the
 ``_driver``); a failed configuration is recorded with its error (e.g. out of memory) and the rest go
 on. ``--max-seq CONFIG,...`` instead finds each system's longest sequence at micro-batch 1 (fresh
-process per probe, doubling then bisecting, 2 optimizer steps each). DeepSpeed comes from wheels
+process per probe, doubling then bisecting, 2 optimizer steps each; a time limit or another error ends
+the search as inconclusive). Run one configuration per device call: each fits in its 10 minutes, and
+results are written after every configuration. DeepSpeed comes from wheels
 carried to the GPU machine (``pip install wheels/*.whl``); its CPU Adam builds there on first use.
 
     python benchmarks/baselines.py --out benchmarks/results/baselines.json
@@ -100,6 +105,8 @@ class Clock(L.Callback):
         if trainer.global_step == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         if trainer.global_step >= self.warmup:
+            if getattr(trainer.strategy, "engine", None) is None and torch.cuda.is_available():
+                torch.cuda.synchronize()  # the baselines' queued GPU work belongs to this step
             self.stamps.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -108,7 +115,8 @@ class Clock(L.Callback):
             engine.flush()  # roundpipe: the last update lands inside the timed window
         elif torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
+        if self.stamps:
+            self.stamps[-1] = time.perf_counter()  # the last step ends when its work has landed
 
 
 def strategy_for(config: str, accumulate: int) -> tuple[Any, str]:
@@ -119,9 +127,12 @@ def strategy_for(config: str, accumulate: int) -> tuple[Any, str]:
     if config == "roundpipe":
         return RoundPipeStrategy(num_microbatches=accumulate), "fused-adamw"
     if config == "fsdp-offload":
+        from torch.distributed.fsdp import MixedPrecision
+
         strategy = FSDPStrategy(
             cpu_offload=True, auto_wrap_policy={Block}, activation_checkpointing_policy=None,
             sharding_strategy="FULL_SHARD", limit_all_gathers=True, use_orig_params=True,
+            mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.float32),  # fp32 rotary tables
         )  # fmt: skip
         return strategy, "fused-adamw"
     common = dict(
@@ -148,6 +159,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     strategy, optimizer = strategy_for(args.run, accumulate)
     L.seed_everything(0, verbose=False)
     module = Model(shape, optimizer)
+    parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
     steps = args.warmup + args.steps
     batch = args.seqs if roundpipe else args.micro_batch
     data = DataLoader(Tokens(shape, args.seqs * steps, args.seq_len), batch_size=batch)
@@ -168,7 +180,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
         "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
-        "parameters": num_parameters(module.model),
+        "parameters": parameters,
         "gpu_cap_gib": args.gpu_gib or None,
         "seq_len": args.seq_len,
     }
@@ -189,7 +201,7 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
     if proc.returncode == 0 and "RESULT " in proc.stdout:
         return True, ""
     err = proc.stderr[-4000:]
-    if "CUDA out of memory" in err or "OutOfMemoryError" in err:
+    if "CUDA out of memory" in err or "OutOfMemoryError" in err or "CUDA error: out of memory" in err:
         return False, "GPU memory"
     if proc.returncode in (-9, 137) or "Cannot allocate memory" in err or "MemoryError" in err:
         return False, "host memory"
@@ -206,8 +218,12 @@ def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
             good, seq = seq, seq * 2
         else:
             bad, why = seq, reason
+    if why not in ("", "GPU memory", "host memory"):  # a time limit or an error: no bisection on that
+        return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "inconclusive": True}
     while bad is not None and bad - good > args.seq_step:
         mid = (good + bad) // 2 // args.seq_step * args.seq_step or args.seq_step
+        if mid <= good:
+            break
         ok, reason = probe(args, config, mid)
         print(f"{config}: {mid} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
         good, bad, why = (mid, bad, why) if ok else (good, mid, reason)
@@ -237,11 +253,18 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return
     if args.max_seq:
-        results = [max_seq(args, c) for c in args.max_seq.split(",")]
-        write(args.out, sys.argv[1:], __file__, results)
+        results = []
+        for config in args.max_seq.split(","):
+            results.append(max_seq(args, config))
+            print("RESULT " + json.dumps(results[-1]), flush=True)
+            write(args.out, sys.argv[1:], __file__, results)
         return
     shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out", "max_seq")}
-    results = run_configs(__file__, args.configs.split(","), shared)
+    results = []
+    for config in args.configs.split(","):  # written after each one: a killed command keeps what finished
+        results += run_configs(__file__, [config], shared)
+        print("RESULT " + json.dumps(results[-1]), flush=True)
+        write(args.out, sys.argv[1:], __file__, results)
     by = {r["config"]: r for r in results if "error" not in r}
     print(f"\n{'config':15} {'tokens/s':>9} {'TFLOP/s':>8} {'GPU GiB':>8} {'host GiB':>9}  roundpipe/this")
     for r in results:
