@@ -369,13 +369,7 @@ class PipelineEngine:
             self._recording.append(flight)
         for m, x in enumerate(mb_inputs):
             flight.put(("act", 0, m), self.pool.stage(x))
-        attributes = plain_attributes(self.layers)
-        with self._error_lock:
-            self._live.append((flight, []))
-        tasks = self._live[-1][1]
-        for w, executor in enumerate(self._executors):
-            run = partial(executor.run, schedule.workers[w], flight, attributes, settle=not self.asynchronous)
-            tasks.append(self._pool.submit(w, run))
+        tasks = self._dispatch(flight, settle=not self.asynchronous)
         self.dispatch_position = schedule.next_first_worker
         self.calls += 1
         if self.asynchronous:
@@ -479,13 +473,7 @@ class PipelineEngine:
         )  # fmt: skip
         for m, x in enumerate(staged):
             flight.put(("act", 0, m), x)
-        attributes = plain_attributes(self.layers)
-        with self._error_lock:
-            self._live.append((flight, []))
-        tasks = self._live[-1][1]
-        for w, executor in enumerate(self._executors):
-            run = partial(executor.run, schedule.workers[w], flight, attributes, settle=True)
-            tasks.append(self._pool.submit(w, run))
+        tasks = self._dispatch(flight, settle=True)
         try:
             for task in tasks:
                 task.done.wait()
@@ -505,6 +493,17 @@ class PipelineEngine:
         if loss_fn is not None:
             return flight.batch_loss()
         return _concatenate([self._take_output(p) for p in flight.losses])
+
+    def _dispatch(self, flight: Flight, settle: bool) -> list[Task]:
+        """Hand each worker its actions of ``flight``'s schedule; the flight is live until they finish."""
+        attributes = plain_attributes(self.layers)
+        with self._error_lock:
+            self._live.append((flight, []))
+        tasks = self._live[-1][1]
+        for w, executor in enumerate(self._executors):
+            run = partial(executor.run, flight.schedule.workers[w], flight, attributes, settle=settle)
+            tasks.append(self._pool.submit(w, run))
+        return tasks
 
     def _take_output(self, parcel: Parcel | None) -> Any:
         assert parcel is not None

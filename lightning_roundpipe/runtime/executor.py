@@ -356,6 +356,16 @@ class StageExecutor:
         flight.put(("act", stage.stop, m), dev.download(x, done))
         self._finish((action.round, action.slot), done)
 
+    def _loss(self, flight: Flight, output: Any, target: Any) -> Tensor:
+        """``loss_fn`` on a micro-batch's output, under the workers' autocast; refused unless a scalar."""
+        assert flight.loss_fn is not None
+        with self.device.autocast(self.autocast_dtype):
+            loss = flight.loss_fn(output, target)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        return loss
+
     def _evaluate(self, stage: Stage, action: Action, flight: Flight) -> None:
         """The fused stage of a forward-only pass: the last layers, then the loss (or the output itself)."""
         dev, m = self.device, action.microbatch
@@ -378,12 +388,7 @@ class StageExecutor:
                 x = self._layer(i, weights, x, flight, m)
             if flight.loss_fn is not None:
                 assert target is not None
-                with dev.autocast(self.autocast_dtype):
-                    loss = flight.loss_fn(x, target[0])
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-                x = loss.detach().float() * flight.weights[m]
+                x = self._loss(flight, x, target[0]).detach().float() * flight.weights[m]
             done = dev.record(dev.compute)
         flight.set_loss(m, dev.download(x, done))
         self._finish((action.round, action.slot), done)
@@ -427,11 +432,7 @@ class StageExecutor:
                     x = self._layer(i, weights, x, flight, m)
                 if fused:
                     assert target is not None
-                    with dev.autocast(self.autocast_dtype):
-                        loss = flight.loss_fn(x, target[0])
-                    if not isinstance(loss, Tensor) or loss.dim() != 0:
-                        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-                        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+                    loss = self._loss(flight, x, target[0])
                     weighted = loss.detach().float() * flight.weights[m]
                     roots, root_grads = [loss * (flight.weights[m] * flight.grad_scale)], None
                 else:
