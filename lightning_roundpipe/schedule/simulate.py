@@ -60,7 +60,15 @@ class Timeline:
 
     @property
     def bubble_ratio(self) -> float:
-        return 1.0 - self.work_per_iteration / (self.workers * self.period)
+        """Idle fraction of the workers in steady state: between the ends of the first and the
+        second-to-last iteration (the last one's drain is not steady state), the work actually done
+        there. Asynchronous iterations overlap: whole iterations' work over such a window could exceed
+        it and give a negative ratio."""
+        if self.iterations < 3:
+            return 1.0 - self.work_per_iteration / (self.workers * self.period)
+        a, b = self.iteration_end(0), self.iteration_end(self.iterations - 2)
+        busy = sum(max(0.0, min(e, b) - max(s, a)) for s, e in zip(self.start, self.end))
+        return max(0.0, 1.0 - busy / (self.workers * (b - a)))  # (rounding can give -2e-16)
 
     def chrome_trace(self) -> dict:
         """The timeline as Chrome-trace JSON (open in Perfetto or chrome://tracing); times in us."""
