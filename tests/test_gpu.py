@@ -291,3 +291,88 @@ def test_same_seed_gives_bit_identical_weights_on_gpu(asynchronous):
         return flat_weights(model)
 
     assert torch.equal(run(), run())
+
+
+# ---------------------------------------------------------------------- several GPUs (skipped on fewer than 2)
+needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def every_gpu() -> list[WorkerDevice]:
+    return [CudaWorkerDevice(f"cuda:{i}", i) for i in range(torch.cuda.device_count())]
+
+
+@needs_gpus
+def test_fp32_on_every_gpu_equals_one_gpu_and_the_cpu_engine():
+    base = mlp()
+    n = torch.cuda.device_count()
+    one = train(copy.deepcopy(base), [CudaWorkerDevice("cuda:0", 0)], microbatches_per_round=n + 1)
+    cpu = train(copy.deepcopy(base), [WorkerDevice("cpu", i) for i in range(n)], microbatches_per_round=n + 1)
+    many = train(copy.deepcopy(base), every_gpu(), microbatches_per_round=n + 1, num_rounds=2)
+    assert relative_error(many, one) <= 1e-5
+    assert relative_error(many, cpu) <= 1e-5
+
+
+@needs_gpus
+def test_bf16_on_every_gpu_within_bf16_tolerance_of_one_gpu():
+    base = mlp()
+    n = torch.cuda.device_count()
+    bf16 = dict(microbatches_per_round=n + 1, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)
+    one = train(copy.deepcopy(base), [CudaWorkerDevice("cuda:0", 0)], **bf16)
+    many = train(copy.deepcopy(base), every_gpu(), **bf16)
+    assert relative_error(many, one) <= 1e-2
+    assert relative_error(many, plain(copy.deepcopy(base))) <= 3e-2
+
+
+@needs_gpus
+@pytest.mark.timeout(120)
+def test_async_optimizer_on_every_gpu_equals_staleness_one_reference():
+    from test_async import staleness_one_reference
+
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    model = mlp()
+    g = torch.Generator().manual_seed(3)
+    data = [[(torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g))] for _ in range(5)]
+    want = staleness_one_reference(model, data)
+    ours = copy.deepcopy(model)
+    n = torch.cuda.device_count()
+    engine = PipelineEngine(list(ours.children()), every_gpu(), microbatches_per_round=n + 1, asynchronous=True)
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
+    try:
+        for [(x, y)] in data:
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    assert relative_error(flat_weights(ours), want) <= 1e-4
+
+
+@needs_gpus
+def test_lightning_on_every_gpu_matches_cpu():
+    n = torch.cuda.device_count()
+    cpu = fit(BoringPipeline, {"accelerator": "cpu", "devices": 1})
+    strategy = RoundPipeStrategy(num_microbatches=n + 1, async_optimizer=False)
+    gpu = fit(BoringPipeline, {"accelerator": "gpu", "devices": n, "strategy": strategy})
+    assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
+
+
+@needs_gpus
+@pytest.mark.timeout(60)
+def test_failure_on_the_second_gpu_reaches_main_thread():
+    class BoomOnSecondGpu(nn.Module):
+        def forward(self, x):
+            if x.device.index == 1:
+                raise RuntimeError("second gpu failed")
+            return x
+
+    model = mlp()
+    for i in range(len(model), 0, -1):
+        model.insert(i, BoomOnSecondGpu())
+    engine = PipelineEngine(list(model.children()), every_gpu())
+    try:
+        with pytest.raises(RuntimeError, match="second gpu failed"):
+            engine.train_batch(torch.randn(6, 32), torch.randn(6, 8), F.mse_loss)
+    finally:
+        engine.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-")]
