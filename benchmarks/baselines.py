@@ -93,21 +93,35 @@ class Model(L.LightningModule):
 
 
 class Clock(L.Callback):
-    """Optimizer-step timestamps (after the first ``warmup`` steps) and the GPU peak from then on."""
+    """Optimizer-step timestamps (after the first ``warmup`` steps) and the GPU peak from then on.
+
+    Steady-state throughput is taken between the first and the last stamp. roundpipe's asynchronous
+    optimizer lets the main thread return from a step once its losses are known (at most one update
+    behind); the work still in flight at the last stamp matches what was in flight at the first. The
+    drain at the end of training (the last backward and update) is a one-off cost, reported apart:
+    with few timed steps it would otherwise weigh as much as a whole step."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.stamps: list[float] = []
+        self.moved: list[tuple[int, int]] = []  # roundpipe: bytes up and down at the first and last stamp
+        self.engine: dict[str, Any] = {}  # roundpipe: its plan at the end
+        self.drained = 0.0  # when the last step's work had landed
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.fit_loop._should_accumulate():
             return
         if trainer.global_step == self.warmup and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(device)
         if trainer.global_step >= self.warmup:
-            if getattr(trainer.strategy, "engine", None) is None and torch.cuda.is_available():
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is None and torch.cuda.is_available():
                 torch.cuda.synchronize()  # the baselines' queued GPU work belongs to this step
             self.stamps.append(time.perf_counter())
+            if engine is not None:
+                now = engine.transferred_bytes()
+                self.moved = [self.moved[0] if self.moved else now, now]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -115,8 +129,11 @@ class Clock(L.Callback):
             engine.flush()  # roundpipe: the last update lands inside the timed window
         elif torch.cuda.is_available():
             torch.cuda.synchronize()
-        if self.stamps:
-            self.stamps[-1] = time.perf_counter()  # the last step ends when its work has landed
+        self.drained = time.perf_counter()
+        if engine is not None and self.moved:
+            self.moved[-1] = engine.transferred_bytes()
+            self.engine = {"plan": str(engine.plan), "predicted_bubble": engine.predicted_bubble,
+                           "workers": engine.num_workers}  # fmt: skip
 
 
 def strategy_for(config: str, accumulate: int) -> tuple[Any, str]:
@@ -151,9 +168,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     shape = SHAPES[args.model]
     cuda = args.device == "cuda"
     if cuda and args.gpu_gib:
-        torch.cuda.set_per_process_memory_fraction(
-            args.gpu_gib * GiB / torch.cuda.get_device_properties(0).total_memory
-        )
+        for device in range(torch.cuda.device_count()):  # every card roundpipe's workers may use
+            torch.cuda.set_per_process_memory_fraction(
+                args.gpu_gib * GiB / torch.cuda.get_device_properties(device).total_memory, device
+            )
     roundpipe = args.run == "roundpipe"
     accumulate = max(1, args.seqs // args.micro_batch)
     strategy, optimizer = strategy_for(args.run, accumulate)
@@ -174,11 +192,21 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     seconds = clock.stamps[-1] - clock.stamps[0]
     timed = len(clock.stamps) - 1
     tokens_per_s = args.seqs * args.seq_len * timed / seconds
+    with_drain = args.seqs * args.seq_len * timed / (clock.drained - clock.stamps[0])
+    peaks = [torch.cuda.max_memory_allocated(d) / GiB for d in range(torch.cuda.device_count())] if cuda else []
+    moved = {}
+    if roundpipe and len(clock.moved) == 2:
+        (up0, down0), (up1, down1) = clock.moved
+        moved = {"h2d_gb_s": (up1 - up0) / 1e9 / seconds, "d2h_gb_s": (down1 - down0) / 1e9 / seconds, **clock.engine}
     return {
+        **moved,
         "tokens_per_s": tokens_per_s,
+        "tokens_per_s_with_drain": with_drain,
+        "drain_s": clock.drained - clock.stamps[-1],
         "step_s": seconds / timed,
         "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
+        "peak_gpu_gib": max(peaks, default=0.0),
+        "peak_gpu_gib_per_device": peaks,
         "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
         "parameters": parameters,
         "gpu_cap_gib": args.gpu_gib or None,
@@ -187,10 +215,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, str]:
-    """One fresh process at ``seq_len``, micro-batch 1, 2 optimizer steps: did it fit, and what ran out."""
+    """One fresh process at ``seq_len``, micro-batch 1, 2 optimizer steps: did it fit, and what ran out.
+    roundpipe gets one sequence per worker (a round needs a micro-batch for each) and 2 more steps: its
+    automatic plan profiles 2 batches one layer per stage, and the plan it then picks must fit too."""
+    roundpipe = config == "roundpipe"
     cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
-           "--seqs", "1", "--micro-batch", "1", "--seq-len", str(seq_len), "--steps", "1", "--warmup", "1",
-           "--workers", str(args.workers)]  # fmt: skip
+           "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
+           "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -219,7 +250,8 @@ def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
         else:
             bad, why = seq, reason
     if why not in ("", "GPU memory", "host memory"):  # a time limit or an error: no bisection on that
-        return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "inconclusive": True}
+        return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "inconclusive": True,
+                "workers": args.workers}  # fmt: skip
     while bad is not None and bad - good > args.seq_step:
         mid = (good + bad) // 2 // args.seq_step * args.seq_step or args.seq_step
         if mid <= good:
@@ -227,7 +259,8 @@ def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
         ok, reason = probe(args, config, mid)
         print(f"{config}: {mid} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
         good, bad, why = (mid, bad, why) if ok else (good, mid, reason)
-    return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap}
+    return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
+            "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None}  # fmt: skip
 
 
 def main() -> None:

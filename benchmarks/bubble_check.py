@@ -51,13 +51,20 @@ class Shaped(L.LightningModule):
         with torch.device("meta"):
             model = build(shape)
         self.model = init(model.to_empty(device="cpu"))
+        self.starts: list[float] = []
+        self.returned: list[float] = []
         self.ends: list[float] = []
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, labels = batch
-        return lightning_roundpipe.pipeline_loss(
+        loss = lightning_roundpipe.pipeline_loss(
             self.model, (tokens, labels), labels, lambda out, _: out, reduction=lambda t: (t != -100).sum()
         )
+        self.returned.append(time.perf_counter())
+        return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         self.plan = str(self.trainer.strategy.engine.plan)
@@ -115,16 +122,28 @@ def main() -> None:
                     "stages": float(r["roundpipe/stages"]),
                     "in_step": float(r.get("roundpipe/bubble_in_step") or "nan"),
                     "host_gap": float(r.get("roundpipe/host_gap") or "nan"),
+                    "busy": [float(v) for k, v in sorted(r.items()) if k.startswith("roundpipe/busy_worker") and v],
                 }
             )
     print(f"plan {engine_plan}; {len(steps)} steps on the automatic plan; fit took {wall:.0f} s")
-    print(f"{'step':>4} {'measured':>9} {'in step':>8} {'host gap':>8} {'predicted':>9}")
+    print(f"{'step':>4} {'measured':>9} {'in step':>8} {'host gap':>8} {'predicted':>9}  idle per device")
     for s in steps:
-        print(f"{s['step']:4d} {s['measured']:9.3f} {s['in_step']:8.3f} {s['host_gap']:8.3f} {s['predicted']:9.3f}")
+        idle = " ".join(f"{1 - b:.3f}" for b in s["busy"])
+        print(f"{s['step']:4d} {s['measured']:9.3f} {s['in_step']:8.3f} {s['host_gap']:8.3f}"
+              f" {s['predicted']:9.3f}  {idle}")  # fmt: skip
     if args.timeline and module.timeline:
         from lightning_roundpipe.callbacks import write_timeline
 
         write_timeline(module.timeline, args.timeline)
+    # where the main thread spends a step: inside training_step (the pipeline call returns when the
+    # losses are known), from there to the end of the batch (optimizer step hook), and between batches
+    k = min(4, len(module.ends) - 1)
+    main_thread = {
+        "training_step_s": sum(r - b for b, r in zip(module.starts[-k:], module.returned[-k:])) / k,
+        "after_step_s": sum(e - r for r, e in zip(module.returned[-k:], module.ends[-k:])) / k,
+        "between_batches_s": sum(b - e for e, b in zip(module.ends[-k - 1 : -1], module.starts[-k:])) / k,
+    }
+    print("main thread per step: " + ", ".join(f"{key} {v:.3f}" for key, v in main_thread.items()))
     last = module.ends[-4:]
     step_s = (last[-1] - last[0]) / (len(last) - 1)
     tokens_per_s = args.seqs * args.seq_len / step_s
@@ -149,6 +168,7 @@ def main() -> None:
             "fit_s": wall,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
+            "main_thread": main_thread,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "results": result}, indent=1))

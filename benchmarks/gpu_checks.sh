@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
-# Every GPU-only check of the repository in one device call: the GPU-marked tests, then the short
-# benchmarks whose numbers docs/benchmarks.md and docs/reliability.md quote. Writes logs and JSON under
-# $OUT (default: ./gpu-out). Each step has its own time limit so one hang does not take the rest.
-#   bash benchmarks/gpu_checks.sh            # about 8 minutes on one H200
+# The GPU-only checks of the repository, by name, each in its own time limit so one hang does not take
+# the rest. Writes logs and JSON under $OUT (default: ./gpu-out). One device call is at most 10 minutes:
+# pick the steps that fit, e.g.
+#   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
+#   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
+# Steps: tests soak bubble bubble-all pcie scaling-1.7b scaling-1.7b-mb4 scaling-4b maxseq-1 maxseq-all
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 run() {  # run NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc=$?" >> "$OUT/$name.log"
-  tail -n 6 "$OUT/$name.log"
+  tail -n 8 "$OUT/$name.log"
 }
-run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
-run soak 240 python benchmarks/soak.py --out "$OUT/soak.json"
-run bubble 150 python benchmarks/bubble_check.py --out "$OUT/bubble.json"
+maxseq() {  # maxseq WORKERS: longest sequence of the 1.7B shape on cards capped at 8 GiB
+  run "maxseq-$1" 290 python benchmarks/baselines.py --max-seq roundpipe --workers "$1" --gpu-gib 8 \
+    --seq-len 16384 --seq-step 16384 --probe-timeout 100 --out "$OUT/maxseq-$1.json"
+}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests soak bubble)
+for step in "${steps[@]}"; do
+  case $step in
+    tests) run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py ;;
+    soak) run soak 240 python benchmarks/soak.py --out "$OUT/soak.json" ;;
+    bubble) run bubble 150 python benchmarks/bubble_check.py --out "$OUT/bubble.json" ;;
+    bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" \
+      --timeline "$OUT/timeline-all.json" --out "$OUT/bubble-all.json" ;;
+    pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
+    scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
+    scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \
+      --out "$OUT/scaling-1.7b-mb4.json" ;;
+    scaling-4b) run scaling-4b 400 python benchmarks/scaling.py --models qwen3-4b --out "$OUT/scaling-4b.json" ;;
+    maxseq-1) maxseq 1 ;;
+    maxseq-all) maxseq "$GPUS" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
