@@ -214,10 +214,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, str]:
+def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, str, str]:
     """One fresh process at ``seq_len``, micro-batch 1, 2 optimizer steps: did it fit, and what ran out.
     roundpipe gets one sequence per worker (a round needs a micro-batch for each) and 2 more steps: its
-    automatic plan profiles 2 batches one layer per stage, and the plan it then picks must fit too."""
+    automatic plan profiles 2 batches one layer per stage, and the plan it then picks must fit too.
+    Returns (fits, what ran out, the error's last line: e.g. allocated and reserved GPU memory)."""
     roundpipe = config == "roundpipe"
     cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
            "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
@@ -228,22 +229,24 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     except subprocess.TimeoutExpired:
-        return False, "time limit"
+        return False, "time limit", ""
     if proc.returncode == 0 and "RESULT " in proc.stdout:
-        return True, ""
+        return True, "", ""
     err = proc.stderr[-4000:]
+    lines = [line for line in err.strip().splitlines() if "Error" in line] or err.strip().splitlines() or [""]
+    detail = lines[-1][:600]
     if "CUDA out of memory" in err or "OutOfMemoryError" in err or "CUDA error: out of memory" in err:
-        return False, "GPU memory"
+        return False, "GPU memory", detail
     if proc.returncode in (-9, 137) or "Cannot allocate memory" in err or "MemoryError" in err:
-        return False, "host memory"
-    return False, "error: " + err.strip().splitlines()[-1][:200] if err.strip() else f"exit {proc.returncode}"
+        return False, "host memory", detail
+    return False, "error: " + detail[:200] if detail else f"exit {proc.returncode}", detail
 
 
 def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
     """Double from ``--seq-len`` until a probe fails, then bisect to ``--seq-step`` tokens."""
-    good, bad, why, seq = 0, None, "", args.seq_len
+    good, bad, why, seq, details = 0, None, "", args.seq_len, {}
     while bad is None and seq <= args.seq_cap:
-        ok, reason = probe(args, config, seq)
+        ok, reason, details[seq] = probe(args, config, seq)
         print(f"{config}: {seq} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
         if ok:
             good, seq = seq, seq * 2
@@ -251,16 +254,17 @@ def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
             bad, why = seq, reason
     if why not in ("", "GPU memory", "host memory"):  # a time limit or an error: no bisection on that
         return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "inconclusive": True,
-                "workers": args.workers}  # fmt: skip
+                "workers": args.workers, "failure_detail": details.get(bad, "")}  # fmt: skip
     while bad is not None and bad - good > args.seq_step:
         mid = (good + bad) // 2 // args.seq_step * args.seq_step or args.seq_step
         if mid <= good:
             break
-        ok, reason = probe(args, config, mid)
+        ok, reason, details[mid] = probe(args, config, mid)
         print(f"{config}: {mid} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
         good, bad, why = (mid, bad, why) if ok else (good, mid, reason)
     return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
-            "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None}  # fmt: skip
+            "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
+            "failure_detail": details.get(bad, "")}  # fmt: skip
 
 
 def main() -> None:
