@@ -17,8 +17,11 @@ def run_configs(script: str, configs: list[str], shared: dict[str, Any]) -> list
     for config in configs:
         cmd = [sys.executable, script, "--run", config]
         for key, value in shared.items():
-            if value is not None:
-                cmd += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            if isinstance(value, bool):  # store_true options
+                cmd += [flag] if value else []
+            elif value is not None:
+                cmd += [flag, str(value)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -136,13 +136,13 @@ class Clock(L.Callback):
                            "workers": engine.num_workers}  # fmt: skip
 
 
-def strategy_for(config: str, accumulate: int) -> tuple[Any, str]:
+def strategy_for(config: str, accumulate: int, double_buffer: bool = False) -> tuple[Any, str]:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if config == "plain":
         return "auto", "fused-adamw"
     if config == "roundpipe":
-        return RoundPipeStrategy(num_microbatches=accumulate), "fused-adamw"
+        return RoundPipeStrategy(num_microbatches=accumulate, double_buffer=double_buffer), "fused-adamw"
     if config == "fsdp-offload":
         from torch.distributed.fsdp import MixedPrecision
 
@@ -174,7 +174,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             )
     roundpipe = args.run == "roundpipe"
     accumulate = max(1, args.seqs // args.micro_batch)
-    strategy, optimizer = strategy_for(args.run, accumulate)
+    strategy, optimizer = strategy_for(args.run, accumulate, args.double_buffer)
     L.seed_everything(0, verbose=False)
     module = Model(shape, optimizer)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
@@ -223,6 +223,8 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
     cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
            "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
            "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
+    if args.double_buffer:
+        cmd.append("--double-buffer")
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -275,6 +277,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--workers", type=int, default=1, help="roundpipe workers (GPUs)")
+    p.add_argument("--double-buffer", action="store_true", help="roundpipe: RoundPipeStrategy(double_buffer=True)")
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=2048)

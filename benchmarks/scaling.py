@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps: profiling (2) and the first planned one")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--double-buffer", action="store_true", help="RoundPipeStrategy(double_buffer=True)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.gpus is None:
@@ -69,9 +70,10 @@ def main() -> None:
         for n in counts:
             micro_batch = min(args.micro_batch, max(1, args.seqs // n))
             shared = dict(model=model, workers=n, seqs=args.seqs, seq_len=args.seq_len, micro_batch=micro_batch,
-                          steps=args.steps, warmup=args.warmup, device=args.device)  # fmt: skip
+                          steps=args.steps, warmup=args.warmup, device=args.device,
+                          double_buffer=args.double_buffer)  # fmt: skip
             [result] = run_configs(BASELINES, ["roundpipe"], shared)
-            result.update(model=model, workers=n, micro_batch=micro_batch)
+            result.update(model=model, workers=n, micro_batch=micro_batch, double_buffer=args.double_buffer)
             results.append(result)
             write(args.out, sys.argv[1:], __file__, results)  # a killed command keeps what finished
     efficiency_table(results)

@@ -76,6 +76,11 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             clipping (``Trainer(gradient_clip_val=...)``) runs on the optimizer thread, the LR and
             other hyper-parameters are those in effect when the step is submitted, and ``p.grad``
             is not available in ``on_after_backward`` / ``on_before_optimizer_step``.
+        double_buffer: with ``async_optimizer``, a second host compute copy of the trainable weights
+            (+2 bytes per trainable parameter in bf16), so each update is cast into the copy the
+            step after next reads as soon as it is computed. Without it the next step's first stage
+            waits for the cast of its weights, which the current step's last backward stage reads
+            until the end: 12-18% of a step measured on 2 GPUs (docs/perf-notes.md).
         host_memory_check: before building the engine, estimate the host memory the run needs (model
             states with AdamW-sized optimizer states, see :func:`~lightning_roundpipe.estimate_host_memory`)
             and refuse with the table if it exceeds what is available. ``False`` skips the check (an
@@ -100,6 +105,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         overlap: Overlap = "priority",
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
+        double_buffer: bool = False,
         host_memory_check: bool = True,
         evaluate_hf_in_pipeline: bool = True,
         accelerator: Any = None,
@@ -121,7 +127,13 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
         self.gpu_memory = parse_memory(gpu_memory)
+        if double_buffer and not async_optimizer:
+            raise ValueError(
+                "RoundPipeStrategy(double_buffer=True) double-buffers the asynchronous optimizer's weight casts;"
+                " it needs async_optimizer=True"
+            )
         self.async_optimizer = async_optimizer
+        self.double_buffer = double_buffer
         self.host_memory_check = host_memory_check
         self.evaluate_hf_in_pipeline = evaluate_hf_in_pipeline
         self.num_microbatches = num_microbatches
@@ -360,7 +372,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         params = [p for layer in layers for p in layer.parameters()]
         compute_dtype = self.precision_plugin.compute_dtype
         state_bytes = 8.0 / self._num_nodes if training else 0.0  # AdamW's two fp32 moments, sharded over nodes
-        estimate = estimate_host_memory(params, compute_dtype, asynchronous, state_bytes)
+        estimate = estimate_host_memory(
+            params, compute_dtype, asynchronous, state_bytes, double_buffer=self.double_buffer
+        )
         if self.host_memory_check:
             check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
         devices: list[WorkerDevice] = []
@@ -386,6 +400,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             asynchronous=asynchronous,
             profile_steps=self.profile_steps,
             memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
+            double_buffer=self.double_buffer and asynchronous,
         )
         if self._num_nodes > 1:
             self._broadcast_weights()

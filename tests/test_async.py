@@ -93,6 +93,18 @@ def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, 
         (2, {"microbatches_per_round": 3}, 1),
         (3, {"microbatches_per_round": 3, "num_rounds": 2, "plan": StagePlan.parse("2,2,1|2,1,2,2")}, 1),
         (2, {"microbatches_per_round": 2}, 2),  # gradient accumulation over two batches
+        (1, {"double_buffer": True}, 1),
+        (
+            3,
+            {
+                "microbatches_per_round": 3,
+                "num_rounds": 2,
+                "plan": StagePlan.parse("2,2,1|2,1,2,2"),
+                "double_buffer": True,
+            },
+            1,
+        ),
+        (2, {"microbatches_per_round": 2, "double_buffer": True}, 2),
     ],
 )
 def test_weights_equal_a_staleness_one_reference(workers, kwargs, per_step):
@@ -145,10 +157,12 @@ def _jitter(monkeypatch, seed: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_random_delays_give_bit_identical_weights(monkeypatch):
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer):
     model = mlp()
     data = batches(6, 2)
-    kwargs = {"microbatches_per_round": 3, "num_rounds": 2, "plan": StagePlan.parse("2,2,1|2,1,2,2")}
+    kwargs = {"microbatches_per_round": 3, "num_rounds": 2, "plan": StagePlan.parse("2,2,1|2,1,2,2"),
+              "double_buffer": double_buffer}  # fmt: skip
     calm, _ = run_async(copy.deepcopy(model), data, 3, clip=0.5, **kwargs)
     for seed in (1, 2):
         with monkeypatch.context() as m:
@@ -183,6 +197,40 @@ def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
     # and the shallowest groups of an update are cast only after the next step's last upload of them
     casts = [e for e in trace if e[0] == "cast"]
     assert casts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_double_buffering_casts_an_update_without_waiting_for_the_next_steps_last_upload(monkeypatch, double_buffer):
+    """Layer 0's weights are uploaded last in a step (its backward stage) and first in the next. With one
+    compute copy, update t's cast into it must wait for step t+1's last upload of them; with two, step
+    t+1 reads the other copy and the cast lands as soon as the math is done, long before."""
+    run = executor_module.StageExecutor._run
+    monkeypatch.setattr(executor_module.StageExecutor, "_run", lambda self, *a: (time.sleep(0.01), run(self, *a))[1])
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
+        asynchronous=True, plan=StagePlan.parse("3,3|1,1,1,1,1,1,1"), double_buffer=double_buffer,
+    )  # fmt: skip
+    trace = engine.record_trace()
+    opt = make_optimizer(model.parameters())
+    first = engine.store.groups_of([0])[0]
+    try:
+        for x, y in (b for [b] in batches(4)):
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    last_slot = f"W{engine.plan.num_slots - 1}"  # the uploads of the last backward stage (layer 0)
+    for t in range(2):
+        step = [e for e in trace if e[0] == "action" and e[2] == t + 1]
+        uploads = [e[4] for e in step if e[3].split(":")[1].startswith(last_slot)]
+        [cast] = [e[3] for e in trace if e[0] == "cast" and e[1] == t and e[2] == first]
+        if double_buffer:
+            assert cast < min(uploads), f"update {t} was cast only after step {t + 1} uploaded layer 0 again"
+        else:
+            assert cast > max(uploads), f"update {t} overwrote the copy step {t + 1} still uploads"
 
 
 @pytest.mark.timeout(60)

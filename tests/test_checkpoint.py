@@ -123,3 +123,32 @@ def test_async_checkpoint_saved_during_validation_resumes_exactly(tmp_path):
     straight = run(tmp_path / "a", 4)
     resumed = run(tmp_path / "b", 4, ckpt=str(tmp_path / "a" / "epoch=1.ckpt"))
     assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
+
+
+def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_single_buffered_training(tmp_path):
+    """9 batches per epoch: the save falls on an odd step, whose batches read the spare copies."""
+
+    def run(directory, epochs, ckpt=None, double_buffer=True):
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline()
+        strategy = RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", double_buffer=double_buffer)
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, boring_data(108), ckpt_path=ckpt)
+        return module
+
+    straight = run(tmp_path / "a", 2)
+    state = torch.load(tmp_path / "a" / "epoch=0.ckpt", weights_only=False)["roundpipe"]
+    assert state["step"] % 2 == 1 and "compute" in state
+    resumed = run(tmp_path / "b", 2, ckpt=str(tmp_path / "a" / "epoch=0.ckpt"))
+    assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
+    single = run(tmp_path / "c", 2, double_buffer=False)
+    assert torch.equal(flat_weights(single), flat_weights(straight))  # the same numbers, only earlier casts
+
+
+def test_double_buffer_needs_the_asynchronous_optimizer():
+    with pytest.raises(ValueError, match="async_optimizer=True"):
+        RoundPipeStrategy(async_optimizer=False, double_buffer=True)

@@ -15,10 +15,10 @@ from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
 
-def engine_for(model, asynchronous=False, plan="3,2|4,2,3", mbs=3, rounds=1):
+def engine_for(model, asynchronous=False, plan="3,2|4,2,3", mbs=3, rounds=1, double_buffer=False):
     return PipelineEngine(
         list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan=StagePlan.parse(plan),
-        microbatches_per_round=mbs, num_rounds=rounds, asynchronous=asynchronous,
+        microbatches_per_round=mbs, num_rounds=rounds, asynchronous=asynchronous, double_buffer=double_buffer,
     )  # fmt: skip
 
 
@@ -42,12 +42,12 @@ def test_loss_and_outputs_equal_the_plain_model(plan, mbs, rounds):
         engine.close()
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_evaluating_between_steps_sees_the_masters_and_changes_no_training_number(asynchronous):
+@pytest.mark.parametrize("asynchronous, double_buffer", [(False, False), (True, False), (True, True)])
+def test_evaluating_between_steps_sees_the_masters_and_changes_no_training_number(asynchronous, double_buffer):
     def train(evaluate_every_step: bool):
         torch.manual_seed(0)
         model = mlp()
-        engine = engine_for(model, asynchronous=asynchronous)
+        engine = engine_for(model, asynchronous=asynchronous, double_buffer=double_buffer)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         try:

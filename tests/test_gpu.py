@@ -148,7 +148,8 @@ def test_lightning_on_gpu_matches_cpu():
 
 
 @pytest.mark.timeout(120)
-def test_async_optimizer_on_gpu_equals_staleness_one_reference():
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_async_optimizer_on_gpu_equals_staleness_one_reference(double_buffer):
     from test_async import staleness_one_reference
 
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -159,7 +160,9 @@ def test_async_optimizer_on_gpu_equals_staleness_one_reference():
     want = staleness_one_reference(model, data)
     ours = copy.deepcopy(model)
     devices = [CudaWorkerDevice("cuda:0", i) for i in range(2)]
-    engine = PipelineEngine(list(ours.children()), devices, microbatches_per_round=3, asynchronous=True)
+    engine = PipelineEngine(
+        list(ours.children()), devices, microbatches_per_round=3, asynchronous=True, double_buffer=double_buffer
+    )
     opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
     try:
         for [(x, y)] in data:
@@ -325,7 +328,8 @@ def test_bf16_on_every_gpu_within_bf16_tolerance_of_one_gpu():
 
 @needs_gpus
 @pytest.mark.timeout(120)
-def test_async_optimizer_on_every_gpu_equals_staleness_one_reference():
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_async_optimizer_on_every_gpu_equals_staleness_one_reference(double_buffer):
     from test_async import staleness_one_reference
 
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -336,7 +340,9 @@ def test_async_optimizer_on_every_gpu_equals_staleness_one_reference():
     want = staleness_one_reference(model, data)
     ours = copy.deepcopy(model)
     n = torch.cuda.device_count()
-    engine = PipelineEngine(list(ours.children()), every_gpu(), microbatches_per_round=n + 1, asynchronous=True)
+    engine = PipelineEngine(
+        list(ours.children()), every_gpu(), microbatches_per_round=n + 1, asynchronous=True, double_buffer=double_buffer
+    )
     opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
     try:
         for [(x, y)] in data:

@@ -16,16 +16,21 @@ from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
 
 
 @pytest.mark.parametrize(
-    "compute_dtype, asynchronous", [(torch.bfloat16, True), (torch.bfloat16, False), (None, True), (None, False)]
-)
-def test_estimate_equals_what_the_engine_allocates(compute_dtype, asynchronous):
+    "compute_dtype, asynchronous, double_buffer",
+    [(torch.bfloat16, True, False), (torch.bfloat16, False, False), (None, True, False), (None, False, False),
+     (torch.bfloat16, True, True), (None, True, True)],
+)  # fmt: skip
+def test_estimate_equals_what_the_engine_allocates(compute_dtype, asynchronous, double_buffer):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
     model[0].weight.requires_grad_(False)  # a frozen parameter is kept once, in the compute dtype
-    estimate = estimate_host_memory(model, compute_dtype, asynchronous, optimizer_bytes_per_parameter=0)
-    engine = PipelineEngine(
-        list(model.children()), [WorkerDevice("cpu", 0)], compute_dtype=compute_dtype, asynchronous=asynchronous
+    estimate = estimate_host_memory(
+        model, compute_dtype, asynchronous, optimizer_bytes_per_parameter=0, double_buffer=double_buffer
     )
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", 0)], compute_dtype=compute_dtype, asynchronous=asynchronous,
+        double_buffer=double_buffer,
+    )  # fmt: skip
     try:
         assert engine.store.nbytes() == estimate.masters + estimate.gradients + estimate.compute_copies
     finally:
@@ -35,6 +40,8 @@ def test_estimate_equals_what_the_engine_allocates(compute_dtype, asynchronous):
     assert adamw.optimizer_states == 8 * trainable
     assert adamw.total / trainable == pytest.approx(18, rel=0.1)  # 4 + 4 + 2 + 8, the frozen weight aside
     assert "bytes per parameter" in adamw.table()
+    doubled = estimate_host_memory(model, torch.bfloat16, True, double_buffer=True)
+    assert doubled.total - adamw.total == 2 * trainable  # a second bf16 copy of the trainable weights
 
 
 @pytest.mark.timeout(60)

@@ -77,6 +77,11 @@ class PipelineEngine:
             the pipeline and casts the previous update into the compute copies on the calling thread
             (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
         memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
+        double_buffer: asynchronous mode: a second compute copy of every trainable group (+2 bytes per
+            trainable parameter in bf16), so update ``k`` is cast as soon as its math is done instead of
+            after step ``k + 1``'s last upload of the group. The first stage's weights are uploaded last
+            in a step (by its last backward stage) and first in the next: without it the next step's
+            first kernel waits for their cast (see docs/perf-notes.md).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class PipelineEngine:
         replan_margin: float = 0.25,
         check_every: int = 50,
         memory_limit: float | None = None,
+        double_buffer: bool = False,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -154,11 +160,16 @@ class PipelineEngine:
         self.layers = layers
         self.devices = list(devices)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
+        if double_buffer and not asynchronous:
+            raise ValueError("double_buffer=True is for the asynchronous optimizer (asynchronous=True)")
         self.store = HostStore(layers, compute_dtype, separate_compute=asynchronous)
+        spares = self.store.add_spares() if double_buffer else []
         for group in self.store.groups:
             self.pool.register(group.compute)
             if group.grad is not None:
                 self.pool.register(group.grad)  # first gradient writes land here by DMA
+        for spare in spares:
+            self.pool.register(spare)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
@@ -363,7 +374,7 @@ class PipelineEngine:
         flight = Flight(
             self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
             self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
-            self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record,
+            self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record, step=self.step,
         )  # fmt: skip
         if record:
             self._recording.append(flight)
@@ -414,15 +425,15 @@ class PipelineEngine:
             return
         if self._evaluation_stash is None:
             pending = self._cast_done.get(self.step - 1, {})
-            self._evaluation_stash = {g: self.store.groups[g].compute.clone() for g in pending}
+            self._evaluation_stash = {g: self.store.reads(g, self.step).clone() for g in pending}
             for g in pending:
-                self.store.groups[g].compute.copy_(self.store.groups[g].data)
+                self.store.reads(g, self.step).copy_(self.store.groups[g].data)
 
     def end_evaluation(self) -> None:
         """Put back the compute copies :meth:`begin_evaluation` set aside."""
         stash, self._evaluation_stash = self._evaluation_stash, None
         for g, compute in (stash or {}).items():
-            self.store.groups[g].compute.copy_(compute)
+            self.store.reads(g, self.step).copy_(compute)
 
     def evaluate(
         self,
@@ -469,7 +480,7 @@ class PipelineEngine:
         self._eval_calls += 1
         flight = Flight(
             -self._eval_calls, schedule, targets, weights, 1.0, loss_fn, self._abort, self.pool, {},
-            self._slot_grad_groups(schedule.plan).__getitem__, set(), evaluating=True,
+            self._slot_grad_groups(schedule.plan).__getitem__, set(), evaluating=True, step=self.step,
         )  # fmt: skip
         for m, x in enumerate(staged):
             flight.put(("act", 0, m), x)
@@ -527,7 +538,7 @@ class PipelineEngine:
         if self.consistency == "barrier":  # drain, then cast the previous update here, all groups at once
             self.flush()
             for g, gate in self._cast_done.get(k - 1, {}).items():
-                self.store.refresh_group(g)
+                self.store.refresh_group(g, k + 1)
                 gate.set()
         grads_complete = {g: self._grad_chain[g] for g in self._trainable if g in self._grad_chain}
         order = tuple(sorted(grads_complete, key=lambda g: (-self.store.groups[g].layer, g)))  # deep first
@@ -542,7 +553,9 @@ class PipelineEngine:
         window.closed.set()
         self.store.fresh_grads = set(self._trainable)
         cast = self.consistency == "layerwise"
-        self._optimizer.submit(UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window, cast))
+        self._optimizer.submit(
+            UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window, cast, window=window)
+        )
         self.step += 1
 
     def flush(self) -> None:
@@ -580,7 +593,7 @@ class PipelineEngine:
         if self.asynchronous and self._cast_done.get(self.step - 1):
             stash = self._evaluation_stash or {}  # saved during validation: the copies set aside are the ones
             state["compute"] = {
-                g: (stash[g] if g in stash else self.store.groups[g].compute).clone() for g in self._trainable
+                g: (stash[g] if g in stash else self.store.reads(g, self.step)).clone() for g in self._trainable
             }
         return state
 
@@ -612,7 +625,7 @@ class PipelineEngine:
         if sorted(compute) != sorted(self._trainable):
             raise ValueError("the checkpoint's roundpipe state does not match this model's trainable layers")
         for g, tensor in compute.items():
-            self.store.groups[g].compute.copy_(tensor)
+            self.store.reads(g, self.step).copy_(tensor)
         # the saved update is in the masters; cast it once the first batch has uploaded each layer
         order = tuple(sorted(self._trainable, key=lambda g: (-self.store.groups[g].layer, g)))
         cast_done = {g: self._job_gate() for g in order}

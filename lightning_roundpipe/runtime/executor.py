@@ -207,7 +207,8 @@ class StageExecutor:
             )
         loaded = self._loaded[key]
         for g, start, stop in self._parts(stage.slot, "W", action.parts)[action.part]:
-            dev.copy_up(loaded.flats[g][start:stop], self.store.groups[g].compute[start:stop], dev.param_up)
+            source = self.store.reads(g, flight.step)
+            dev.copy_up(loaded.flats[g][start:stop], source[start:stop], dev.param_up)
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
             for g in self._trainable[stage.slot]:

@@ -53,8 +53,11 @@ class Flight:
         upload_waits: dict[int, Gate] | None = None,
         record: bool = False,
         evaluating: bool = False,
+        step: int = 0,
     ) -> None:
         self.call = call
+        self.step = step
+        """Optimizer step the batch belongs to: which compute copy it uploads (double buffering)."""
         self.evaluating = evaluating
         """A forward-only pass (validation, test, predict): no gradients, nothing saved for backward;
         the fused stage puts the loss, or the output when ``loss_fn`` is ``None``, under the losses."""

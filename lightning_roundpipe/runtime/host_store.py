@@ -8,6 +8,11 @@ Each group has three buffers of one layout: ``data`` (the master: what the optim
 ``compute`` (what is uploaded to workers: the master cast to the compute dtype, or the master itself
 when no cast is needed) and, for trainable groups, ``grad`` (the gradients the optimizer reads, in
 the master dtype). Module buffers keep their dtype: only parameters are cast for compute.
+
+Double buffering (asynchronous optimizer, :meth:`HostStore.add_spares`): trainable groups get a
+``spare`` compute copy; even steps upload from ``compute``, odd ones from ``spare``
+(:meth:`HostStore.reads`). Update ``k`` is then cast into the copy step ``k + 2`` reads, which only
+step ``k`` read before, so the cast need not wait for step ``k + 1``'s uploads.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class FlatGroup:
     """Trainable parameters in this group and their offsets, to point ``p.grad`` into ``grad``."""
     members: list[Tensor] = field(default_factory=list)
     """Every module tensor living in this group (their version counters tell of in-place edits)."""
+    spare: Tensor | None = None
+    """Second compute copy (double buffering): what odd steps upload."""
     synced_version: int = -1
     """Sum of the members' version counters when ``compute`` was last refreshed."""
     dirty: bool = False
@@ -135,9 +142,29 @@ class HostStore:
         self._refresh(group)
         return refs
 
-    def refresh_group(self, index: int) -> None:
-        """Copy one group's master into its compute copy (the asynchronous optimizer's per-layer cast)."""
-        self._refresh(self.groups[index])
+    def refresh_group(self, index: int, step: int = 0) -> None:
+        """Cast one group's master into the compute copy step ``step`` reads (the asynchronous
+        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity)."""
+        group = self.groups[index]
+        if group.spare is not None and step % 2:
+            group.spare.copy_(group.data)
+            return
+        self._refresh(group)
+
+    def add_spares(self) -> list[Tensor]:
+        """Give every trainable group with a separate compute copy a second one (double buffering),
+        holding the same values. Returns the new buffers (to pin)."""
+        spares = []
+        for group in self.groups:
+            if group.trainable and group.compute is not group.data and group.spare is None:
+                group.spare = group.compute.clone()
+                spares.append(group.spare)
+        return spares
+
+    def reads(self, index: int, step: int) -> Tensor:
+        """The compute copy that training step ``step`` uploads from."""
+        group = self.groups[index]
+        return group.spare if group.spare is not None and step % 2 else group.compute
 
     def _refresh(self, group: FlatGroup) -> None:
         if group.compute is not group.data:
@@ -152,10 +179,13 @@ class HostStore:
 
     def sync_compute(self) -> int:
         """Refresh the compute copies whose master changed: marked dirty (after an optimizer step) or
-        edited in place since (``load_state_dict``, a user's ``p.mul_``). Returns the groups copied."""
+        edited in place since (``load_state_dict``, a user's ``p.mul_``). Returns the groups copied.
+        Only while nothing is in flight: spare copies take the masters too."""
         stale = [g for g in self.groups if g.compute is not g.data and (g.dirty or g.version() != g.synced_version)]
         for group in stale:
             self._refresh(group)
+            if group.spare is not None:  # (nothing in flight: both copies take the masters)
+                group.spare.copy_(group.compute)
         return len(stale)
 
     def groups_of(self, layers: Iterable[int]) -> tuple[int, ...]:
@@ -170,7 +200,7 @@ class HostStore:
         """Host bytes held for master weights, compute copies, buffers and gradients."""
         total = 0
         for g in self.groups:
-            for t in (g.data, g.grad) + (() if g.compute is g.data else (g.compute,)):
+            for t in (g.data, g.grad, g.spare) + (() if g.compute is g.data else (g.compute,)):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total

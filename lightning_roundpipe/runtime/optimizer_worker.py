@@ -4,7 +4,9 @@ Staleness is exactly one step: every upload of a group during step k reads the c
 masters after updates ``0..k-2``. Ordering is per flat group (a slice of one layer), never a global
 barrier, by five edges (paper section 4.3):
 
-1. the cast of update k into a group's compute copy waits for step k+1's last upload of that group;
+1. the cast of update k into a group's compute copy waits for step k+1's last upload of that group
+   (double buffering, see :mod:`~lightning_roundpipe.runtime.host_store`: for step k's, since step
+   k+1 reads the other copy);
 2. step k+2's first upload of the group waits for that cast;
 3. update k's math on a group waits for step k's last gradient write to it;
 4. step k+1's first gradient write to the group waits for update k's math on it (the gradients were
@@ -74,6 +76,9 @@ class UpdateJob:
     next_window: StepWindow
     cast: bool = True
     """``False``: the engine casts this update itself at the next step's barrier (the blocking variant)."""
+    window: StepWindow | None = None
+    """This step's batches (``None``: none, e.g. a resumed run's pending cast): with double buffering,
+    the last ones to read the compute copy the cast overwrites."""
     math_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -139,14 +144,26 @@ class OptimizerWorker:
         job.math_done.set()
         if not job.cast:
             return
-        job.next_window.closed.wait()
-        for g in job.groups:
+        # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
+        # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
+        spare = [g for g in job.groups if self.store.groups[g].spare is not None]
+        single = [g for g in job.groups if self.store.groups[g].spare is None]
+        for g in spare:
+            for flight in job.window.flights if job.window is not None else ():
+                flight.wait_uploaded(g)
+            self._cast(job, g)
+        if single:
+            job.next_window.closed.wait()
+        for g in single:
             for flight in job.next_window.flights:
                 flight.wait_uploaded(g)
-            self.store.refresh_group(g)
-            job.cast_done[g].set()
-            if self.trace is not None:
-                self.trace.append(("cast", job.step, g, time.perf_counter()))
+            self._cast(job, g)
+
+    def _cast(self, job: UpdateJob, g: int) -> None:
+        self.store.refresh_group(g, job.step + 2)
+        job.cast_done[g].set()
+        if self.trace is not None:
+            self.trace.append(("cast", job.step, g, time.perf_counter()))
 
     def _math(self, job: UpdateJob) -> None:
         assert job.spec is not None
