@@ -310,3 +310,33 @@ def test_blocking_copy_variant_has_the_same_numerics():
     layerwise, _ = run_async(copy.deepcopy(model), data, 2, microbatches_per_round=3)
     barrier, _ = run_async(copy.deepcopy(model), data, 2, microbatches_per_round=3, consistency="barrier")
     assert torch.equal(layerwise, barrier)
+    doubled, _ = run_async(
+        copy.deepcopy(model), data, 2, microbatches_per_round=3, consistency="barrier", double_buffer=True
+    )
+    assert torch.equal(doubled, barrier)
+
+
+@pytest.mark.timeout(120)
+def test_strategy_double_buffer_uploads_odd_steps_from_the_spare_copies(monkeypatch):
+    """The option reaches the engine: the workers' weight uploads alternate between the two copies."""
+    import threading
+
+    from helpers import BoringPipeline, fit
+
+    from lightning_roundpipe import RoundPipeStrategy
+    from lightning_roundpipe.runtime.host_store import HostStore
+
+    seen = []
+    reads = HostStore.reads
+
+    def spy(self, g, step):
+        source = reads(self, g, step)
+        if threading.current_thread().name.startswith("roundpipe-worker"):
+            seen.append((step % 2 == 1, source is self.groups[g].spare))
+        return source
+
+    monkeypatch.setattr(HostStore, "reads", spy)
+    strategy = RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", double_buffer=True)
+    fit(BoringPipeline, {"accelerator": "cpu", "devices": 2, "strategy": strategy, "max_steps": 4})
+    assert {odd for odd, _ in seen} == {False, True}
+    assert all(odd == from_spare for odd, from_spare in seen)

@@ -125,7 +125,7 @@ def test_async_checkpoint_saved_during_validation_resumes_exactly(tmp_path):
     assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
 
 
-def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_single_buffered_training(tmp_path):
+def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_buffering(tmp_path):
     """9 batches per epoch: the save falls on an odd step, whose batches read the spare copies."""
 
     def run(directory, epochs, ckpt=None, double_buffer=True):
@@ -147,6 +147,12 @@ def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_single_b
     assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
     single = run(tmp_path / "c", 2, double_buffer=False)
     assert torch.equal(flat_weights(single), flat_weights(straight))  # the same numbers, only earlier casts
+    # a checkpoint carries the copy the next step reads, whichever way it was kept: resumable either way
+    switched = run(tmp_path / "d", 2, ckpt=str(tmp_path / "a" / "epoch=0.ckpt"), double_buffer=False)
+    assert relative_error(flat_weights(switched), flat_weights(straight)) <= 1e-6
+    run(tmp_path / "e", 1, double_buffer=False)
+    back = run(tmp_path / "f", 2, ckpt=str(tmp_path / "e" / "epoch=0.ckpt"))
+    assert relative_error(flat_weights(back), flat_weights(straight)) <= 1e-6
 
 
 def test_double_buffer_needs_the_asynchronous_optimizer():

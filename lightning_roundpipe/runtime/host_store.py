@@ -180,7 +180,8 @@ class HostStore:
     def sync_compute(self) -> int:
         """Refresh the compute copies whose master changed: marked dirty (after an optimizer step) or
         edited in place since (``load_state_dict``, a user's ``p.mul_``). Returns the groups copied.
-        Only while nothing is in flight: spare copies take the masters too."""
+        Synchronous mode, or before the first asynchronous step (it would overwrite the copies a
+        pending update's staleness needs); spare copies take the masters too."""
         stale = [g for g in self.groups if g.compute is not g.data and (g.dirty or g.version() != g.synced_version)]
         for group in stale:
             self._refresh(group)
