@@ -136,7 +136,7 @@ class Clock(L.Callback):
                            "workers": engine.num_workers}  # fmt: skip
 
 
-def strategy_for(config: str, accumulate: int, double_buffer: bool = False) -> tuple[Any, str]:
+def strategy_for(config: str, accumulate: int, double_buffer: str = "none") -> tuple[Any, str]:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if config == "plain":
@@ -223,8 +223,7 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
     cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
            "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
            "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
-    if args.double_buffer:
-        cmd.append("--double-buffer")
+    cmd += ["--double-buffer", args.double_buffer]
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -277,7 +276,9 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--workers", type=int, default=1, help="roundpipe workers (GPUs)")
-    p.add_argument("--double-buffer", action="store_true", help="roundpipe: RoundPipeStrategy(double_buffer=True)")
+    p.add_argument(
+        "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
+    )
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=2048)

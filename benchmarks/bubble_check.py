@@ -86,7 +86,9 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--plan", default="auto", help='"auto" or an explicit plan such as "3,3|5,1,1"')
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--double-buffer", action="store_true", help="RoundPipeStrategy(double_buffer=True)")
+    p.add_argument(
+        "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
+    )
     p.add_argument("--timeline", default=None, help="write the last measured step here (Chrome trace + PNG)")
     p.add_argument("--out", default=None)
     args = p.parse_args()

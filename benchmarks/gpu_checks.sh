@@ -4,8 +4,8 @@
 # pick the steps that fit, e.g.
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
-# Steps: tests soak bubble bubble-all bubble-all-db pcie scaling-1.7b scaling-1.7b-db scaling-1.7b-mb4 scaling-4b
-#        maxseq-1 maxseq-all
+# Steps: tests soak bubble bubble-all bubble-all-db(f) pcie scaling-1.7b scaling-1.7b-db(f) scaling-1.7b-mb4 scaling-4b
+#        maxseq-1 maxseq-all     (-db: double_buffer='all', -dbf: 'first')
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -31,10 +31,12 @@ for step in "${steps[@]}"; do
     bubble) run bubble 150 python benchmarks/bubble_check.py --out "$OUT/bubble.json" ;;
     bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" \
       --timeline "$OUT/timeline-all.json" --out "$OUT/bubble-all.json" ;;
-    bubble-all-db) run bubble-all-db 150 python benchmarks/bubble_check.py --devices "$GPUS" --double-buffer \
-      --timeline "$OUT/timeline-all-db.json" --out "$OUT/bubble-all-db.json" ;;
-    scaling-1.7b-db) run scaling-1.7b-db 300 python benchmarks/scaling.py --models qwen3-1.7b --double-buffer \
-      --out "$OUT/scaling-1.7b-db.json" ;;
+    bubble-all-db|bubble-all-dbf) buffering=$([ "$step" = bubble-all-db ] && echo all || echo first)
+      run "$step" 150 python benchmarks/bubble_check.py --devices "$GPUS" --double-buffer "$buffering" \
+      --timeline "$OUT/timeline-$step.json" --out "$OUT/$step.json" ;;
+    scaling-1.7b-db|scaling-1.7b-dbf) buffering=$([ "$step" = scaling-1.7b-db ] && echo all || echo first)
+      run "$step" 300 python benchmarks/scaling.py --models qwen3-1.7b --double-buffer "$buffering" \
+      --out "$OUT/$step.json" ;;
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \

@@ -54,7 +54,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps: profiling (2) and the first planned one")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--double-buffer", action="store_true", help="RoundPipeStrategy(double_buffer=True)")
+    p.add_argument(
+        "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.gpus is None:

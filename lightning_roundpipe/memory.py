@@ -73,7 +73,7 @@ def estimate_host_memory(
     asynchronous: bool = True,
     optimizer_bytes_per_parameter: float = 8.0,
     activation_bytes: int = 0,
-    double_buffer: bool = False,
+    double_buffer: bool | str = False,
 ) -> HostMemoryEstimate:
     """Host bytes roundpipe needs for ``model`` (or its parameters).
 
@@ -85,8 +85,8 @@ def estimate_host_memory(
         optimizer_bytes_per_parameter: optimizer state per trainable parameter (AdamW in fp32: 8;
             SGD with momentum: 4; plain SGD: 0).
         activation_bytes: stage-boundary activations of one batch, if known.
-        double_buffer: ``RoundPipeStrategy(double_buffer=True)``: a second compute copy per trainable
-            parameter.
+        double_buffer: ``RoundPipeStrategy(double_buffer=True)`` or ``"all"``: a second compute copy per
+            trainable parameter (``"first"``, the first stage's only, is not counted).
     """
     params = list(model.parameters()) if isinstance(model, nn.Module) else list(model)
     seen: set[int] = set()
@@ -106,7 +106,7 @@ def estimate_host_memory(
         masters += n * size
         grads += n * size
         if cast or asynchronous:
-            compute += n * compute_size * (2 if double_buffer and asynchronous else 1)
+            compute += n * compute_size * (2 if double_buffer in (True, "all") and asynchronous else 1)
         states += int(n * optimizer_bytes_per_parameter)
     return HostMemoryEstimate(trainable, frozen, masters, grads, compute, states, activation_bytes)
 

@@ -28,7 +28,7 @@ from lightning_roundpipe import api
 from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
-from lightning_roundpipe.runtime.engine import PipelineEngine
+from lightning_roundpipe.runtime.engine import PipelineEngine, double_buffering
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.microbatch import Reduction
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -76,11 +76,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             clipping (``Trainer(gradient_clip_val=...)``) runs on the optimizer thread, the LR and
             other hyper-parameters are those in effect when the step is submitted, and ``p.grad``
             is not available in ``on_after_backward`` / ``on_before_optimizer_step``.
-        double_buffer: with ``async_optimizer``, a second host compute copy of the trainable weights
-            (+2 bytes per trainable parameter in bf16), so each update is cast into the copy the
-            step after next reads as soon as it is computed. Without it the next step's first stage
-            waits for the cast of its weights, which the current step's last backward stage reads
-            until the end: 12-18% of a step measured on 2 GPUs (docs/perf-notes.md).
+        double_buffer: with ``async_optimizer``, a second host compute copy of trainable weights, so
+            each update is cast into the copy the step after next reads as soon as it is computed.
+            Without it the next step's first stage waits for the cast of its weights, which the
+            current step's last backward stage reads until the end: 12-18% of a step measured on 2
+            GPUs (docs/perf-notes.md). ``"all"`` or ``True``: every trainable weight (+2 bytes per
+            trainable parameter in bf16); ``"first"``: only those of the plan's first stage; ``False``.
         host_memory_check: before building the engine, estimate the host memory the run needs (model
             states with AdamW-sized optimizer states, see :func:`~lightning_roundpipe.estimate_host_memory`)
             and refuse with the table if it exceeds what is available. ``False`` skips the check (an
@@ -105,7 +106,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         overlap: Overlap = "priority",
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
-        double_buffer: bool = False,
+        double_buffer: bool | str = False,
         host_memory_check: bool = True,
         evaluate_hf_in_pipeline: bool = True,
         accelerator: Any = None,
@@ -127,13 +128,13 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
         self.gpu_memory = parse_memory(gpu_memory)
-        if double_buffer and not async_optimizer:
+        self.double_buffer = double_buffering(double_buffer)
+        if self.double_buffer != "none" and not async_optimizer:
             raise ValueError(
-                "RoundPipeStrategy(double_buffer=True) double-buffers the asynchronous optimizer's weight casts;"
-                " it needs async_optimizer=True"
+                f"RoundPipeStrategy(double_buffer={double_buffer!r}) double-buffers the asynchronous optimizer's"
+                " weight casts; it needs async_optimizer=True"
             )
         self.async_optimizer = async_optimizer
-        self.double_buffer = double_buffer
         self.host_memory_check = host_memory_check
         self.evaluate_hf_in_pipeline = evaluate_hf_in_pipeline
         self.num_microbatches = num_microbatches
@@ -400,7 +401,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             asynchronous=asynchronous,
             profile_steps=self.profile_steps,
             memory_limit=device_memory_limit(self.worker_devices, self.gpu_memory),
-            double_buffer=self.double_buffer and asynchronous,
+            double_buffer=self.double_buffer if asynchronous else "none",
         )
         if self._num_nodes > 1:
             self._broadcast_weights()

@@ -105,6 +105,9 @@ def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, 
             1,
         ),
         (2, {"microbatches_per_round": 2, "double_buffer": True}, 2),
+        # the spared groups follow the plan: the profiling plan's first slot, then the partitioned one's
+        (2, {"microbatches_per_round": 3, "plan": "auto", "profile_steps": 1, "double_buffer": "first"}, 1),
+        (2, {"microbatches_per_round": 2, "plan": "auto", "profile_steps": 1, "double_buffer": "first"}, 2),
     ],
 )
 def test_weights_equal_a_staleness_one_reference(workers, kwargs, per_step):
@@ -157,12 +160,12 @@ def _jitter(monkeypatch, seed: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("double_buffer", [False, True])
-def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer):
+@pytest.mark.parametrize("double_buffer, plan", [(False, "2,2,1|2,1,2,2"), (True, "2,2,1|2,1,2,2"), ("first", "auto")])
+def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer, plan):
     model = mlp()
     data = batches(6, 2)
-    kwargs = {"microbatches_per_round": 3, "num_rounds": 2, "plan": StagePlan.parse("2,2,1|2,1,2,2"),
-              "double_buffer": double_buffer}  # fmt: skip
+    kwargs = {"microbatches_per_round": 3, "num_rounds": 2, "plan": plan, "double_buffer": double_buffer,
+              "profile_steps": 1}  # fmt: skip
     calm, _ = run_async(copy.deepcopy(model), data, 3, clip=0.5, **kwargs)
     for seed in (1, 2):
         with monkeypatch.context() as m:
@@ -317,8 +320,10 @@ def test_blocking_copy_variant_has_the_same_numerics():
 
 
 @pytest.mark.timeout(120)
-def test_strategy_double_buffer_uploads_odd_steps_from_the_spare_copies(monkeypatch):
-    """The option reaches the engine: the workers' weight uploads alternate between the two copies."""
+@pytest.mark.parametrize("double_buffer", [True, "first"])
+def test_strategy_double_buffer_uploads_odd_steps_from_the_spare_copies(monkeypatch, double_buffer):
+    """The option reaches the engine: the workers' weight uploads alternate between the two copies (with
+    ``"first"``, only the first stage's groups have two)."""
     import threading
 
     from helpers import BoringPipeline, fit
@@ -332,11 +337,17 @@ def test_strategy_double_buffer_uploads_odd_steps_from_the_spare_copies(monkeypa
     def spy(self, g, step):
         source = reads(self, g, step)
         if threading.current_thread().name.startswith("roundpipe-worker"):
-            seen.append((step % 2 == 1, source is self.groups[g].spare))
+            seen.append((g, step % 2 == 1, source is self.groups[g].spare))
         return source
 
     monkeypatch.setattr(HostStore, "reads", spy)
-    strategy = RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", double_buffer=True)
+    strategy = RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", double_buffer=double_buffer)
     fit(BoringPipeline, {"accelerator": "cpu", "devices": 2, "strategy": strategy, "max_steps": 4})
-    assert {odd for odd, _ in seen} == {False, True}
-    assert all(odd == from_spare for odd, from_spare in seen)
+    assert {odd for _, odd, _ in seen} == {False, True}
+    assert not any(from_spare for _, odd, from_spare in seen if not odd)
+    spared = {g for g, odd, from_spare in seen if odd and from_spare}
+    single = {g for g, odd, from_spare in seen if odd and not from_spare}
+    if double_buffer is True:
+        assert spared and not single
+    else:  # the first stage (3 of the 9 layers) reads its groups from the spare copies on odd steps
+        assert spared and single and not spared & single

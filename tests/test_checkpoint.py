@@ -125,10 +125,11 @@ def test_async_checkpoint_saved_during_validation_resumes_exactly(tmp_path):
     assert relative_error(flat_weights(resumed), flat_weights(straight)) <= 1e-6
 
 
-def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_buffering(tmp_path):
+@pytest.mark.parametrize("buffering", [True, "first"])
+def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_buffering(tmp_path, buffering):
     """9 batches per epoch: the save falls on an odd step, whose batches read the spare copies."""
 
-    def run(directory, epochs, ckpt=None, double_buffer=True):
+    def run(directory, epochs, ckpt=None, double_buffer=buffering):
         L.seed_everything(1, verbose=False)
         module = BoringPipeline()
         strategy = RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", double_buffer=double_buffer)
@@ -158,3 +159,5 @@ def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_b
 def test_double_buffer_needs_the_asynchronous_optimizer():
     with pytest.raises(ValueError, match="async_optimizer=True"):
         RoundPipeStrategy(async_optimizer=False, double_buffer=True)
+    with pytest.raises(ValueError, match="not one of"):
+        RoundPipeStrategy(double_buffer="both")

@@ -148,7 +148,7 @@ def test_lightning_on_gpu_matches_cpu():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("double_buffer", [False, True])
+@pytest.mark.parametrize("double_buffer", [False, True, "first"])
 def test_async_optimizer_on_gpu_equals_staleness_one_reference(double_buffer):
     from test_async import staleness_one_reference
 
@@ -328,7 +328,7 @@ def test_bf16_on_every_gpu_within_bf16_tolerance_of_one_gpu():
 
 @needs_gpus
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("double_buffer", [False, True])
+@pytest.mark.parametrize("double_buffer", [False, True, "first"])
 def test_async_optimizer_on_every_gpu_equals_staleness_one_reference(double_buffer):
     from test_async import staleness_one_reference
 

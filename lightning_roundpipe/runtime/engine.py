@@ -77,11 +77,13 @@ class PipelineEngine:
             the pipeline and casts the previous update into the compute copies on the calling thread
             (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
         memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
-        double_buffer: asynchronous mode: a second compute copy of every trainable group (+2 bytes per
-            trainable parameter in bf16), so update ``k`` is cast as soon as its math is done instead of
-            after step ``k + 1``'s last upload of the group. The first stage's weights are uploaded last
-            in a step (by its last backward stage) and first in the next: without it the next step's
-            first kernel waits for their cast (see docs/perf-notes.md).
+        double_buffer: asynchronous mode: a second compute copy of trainable groups, so update ``k``
+            is cast as soon as its math is done instead of after step ``k + 1``'s last upload of the
+            group. The first stage's weights are uploaded last in a step (by its last backward stage)
+            and first in the next: without it the next step's first kernel waits for their cast (see
+            docs/perf-notes.md). ``"all"`` (or ``True``): every trainable group (+2 bytes per trainable
+            parameter in bf16); ``"first"``: the groups the plan's first slot reads (grown when the plan
+            changes, never shrunk); ``"none"`` (or ``False``).
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class PipelineEngine:
         replan_margin: float = 0.25,
         check_every: int = 50,
         memory_limit: float | None = None,
-        double_buffer: bool = False,
+        double_buffer: bool | str = False,
     ) -> None:
         layers = list(layers)
         if not layers:
@@ -160,10 +162,15 @@ class PipelineEngine:
         self.layers = layers
         self.devices = list(devices)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
-        if double_buffer and not asynchronous:
-            raise ValueError("double_buffer=True is for the asynchronous optimizer (asynchronous=True)")
+        self.double_buffer = double_buffering(double_buffer)
+        if self.double_buffer != "none" and not asynchronous:
+            raise ValueError(f"double_buffer={double_buffer!r} is for the asynchronous optimizer (asynchronous=True)")
         self.store = HostStore(layers, compute_dtype, separate_compute=asynchronous)
-        spares = self.store.add_spares() if double_buffer else []
+        spares = []
+        if self.double_buffer == "all":
+            spares = self.store.add_spares()
+        elif self.double_buffer == "first":
+            spares = self.store.add_spares(self._first_slot_groups(self.plan))
         for group in self.store.groups:
             self.pool.register(group.compute)
             if group.grad is not None:
@@ -369,6 +376,8 @@ class PipelineEngine:
         self._submitted[self.calls] = time.perf_counter()
         self._harvest()
         schedule = self.schedule(self.dispatch_position)
+        if self.double_buffer == "first":
+            self._spare_first_slot(schedule.plan)
         record = self._wants_record()
         self._record_next = False
         flight = Flight(
@@ -408,6 +417,32 @@ class PipelineEngine:
             raise error
         self._harvest(wait=True)
         return flight.batch_loss()
+
+    def _first_slot_groups(self, plan: StagePlan) -> list[int]:
+        first = plan.stages()[0]
+        return [g for g in self.store.groups_of(range(first.start, first.stop)) if self.store.groups[g].trainable]
+
+    def _spare_first_slot(self, plan: StagePlan) -> None:
+        """Give the groups ``plan``'s first slot reads a spare copy, before this step's batch is dispatched.
+
+        A new spare starts as a copy of the compute copy, which must then hold updates ``0..step-2``:
+        wait for the cast of update ``step - 2`` (it waits for the previous step's last upload of the
+        group, so no earlier batch reads the group any more). The cast of ``step - 1`` cannot have
+        started: it waits for this step's window to close. Casts already queued for the group keep
+        their single-copy waits, which stay correct (they write the copy the step after next reads).
+        """
+        new = [g for g in self._first_slot_groups(plan) if self.store.groups[g].spare is None]
+        if not new:
+            return
+        pending = self._cast_done.get(self.step - 2, {})
+        try:
+            for g in new:
+                if g in pending:
+                    pending[g].wait()
+        except PipelineAborted:
+            self._fail()
+        for spare in self.store.add_spares(new):
+            self.pool.register(spare)
 
     # ------------------------------------------------------------------ forward-only passes
     def begin_evaluation(self) -> None:
@@ -719,6 +754,18 @@ class PipelineEngine:
                 warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
             else:
                 self.pool.close()
+
+
+DOUBLE_BUFFERS = ("none", "first", "all")
+
+
+def double_buffering(value: bool | str) -> str:
+    """``double_buffer`` as one of :data:`DOUBLE_BUFFERS` (``True`` is ``"all"``, ``False`` ``"none"``)."""
+    if value is True or value is False:
+        return "all" if value else "none"
+    if value not in DOUBLE_BUFFERS:
+        raise ValueError(f"double_buffer={value!r} is not one of {DOUBLE_BUFFERS} (or True/False)")
+    return str(value)
 
 
 def _concatenate(outputs: list[Any]) -> Any:

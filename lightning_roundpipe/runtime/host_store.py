@@ -151,13 +151,13 @@ class HostStore:
             return
         self._refresh(group)
 
-    def add_spares(self) -> list[Tensor]:
-        """Give every trainable group with a separate compute copy a second one (double buffering),
-        holding the same values. Returns the new buffers (to pin)."""
+    def add_spares(self, groups: Iterable[int] | None = None) -> list[Tensor]:
+        """Give trainable groups with a separate compute copy (``groups``, or all) a second one (double
+        buffering), holding the same values. Returns the new buffers (to pin)."""
         spares = []
-        for group in self.groups:
+        for group in self.groups if groups is None else [self.groups[g] for g in groups]:
             if group.trainable and group.compute is not group.data and group.spare is None:
-                group.spare = group.compute.clone()
+                group.spare = group.compute.clone()  # complete before it is published
                 spares.append(group.spare)
         return spares
 
