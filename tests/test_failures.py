@@ -271,3 +271,23 @@ def test_a_failing_checkpoint_write_stops_fit_and_keeps_the_previous_file(tmp_pa
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
     assert not [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+@pytest.mark.timeout(30)
+def test_out_of_memory_in_a_stage_names_the_stage_and_what_to_change():
+    class Greedy(nn.Module):
+        def forward(self, x):
+            if torch.is_grad_enabled():  # the recompute of the backward stage, as a long sequence would
+                raise torch.OutOfMemoryError("Tried to allocate 384.00 MiB")
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Greedy(), nn.Linear(4, 4))
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="2,1|1,1,2")
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            engine.train_batch(torch.randn(6, 4), torch.randn(6, 4), F.mse_loss)
+    finally:
+        engine.close()
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "stage 3 (backward, layers 2-2) ran out of memory" in note
+    assert "gpu_memory" in note and "num_microbatches" in note

@@ -121,6 +121,24 @@ class StageExecutor:
         self.plan = plan
         self._stages, self._saved, self._groups, self._trainable, self._pieces = self._tables[plan]
 
+    def _out_of_memory_note(self, action: Action) -> str:
+        """What ran out, and what to change: the stage's layers, the device's memory, the knobs."""
+        stage = self._stages[action.slot]
+        where = f"stage {action.slot} ({stage.kind.name.lower()}, layers {stage.start}-{stage.stop - 1})"
+        memory = ""
+        if self.device.device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self.device.device) / 2**30
+            reserved = torch.cuda.memory_reserved(self.device.device) / 2**30
+            memory = (
+                f" on {self.device.device}: {allocated:.2f} GiB allocated, {reserved - allocated:.2f} GiB reserved"
+                " by PyTorch but unallocated (fragmentation)"
+            )
+        return (
+            f"roundpipe: {where} ran out of memory{memory}. Lower RoundPipeStrategy(gpu_memory=...) so the"
+            " automatic plan makes smaller stages, or pass a plan with smaller stages; use more micro-batches"
+            " (num_microbatches) or a smaller batch or shorter sequences. docs/tuning.md has more."
+        )
+
     # ------------------------------------------------------------------ one batch
     def run(
         self, actions: Sequence[Action], flight: Flight, attributes: list[list[dict[str, Any]]], settle: bool = True
@@ -144,6 +162,8 @@ class StageExecutor:
                 except BaseException as e:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
+                        if isinstance(e, torch.OutOfMemoryError):
+                            e.add_note(self._out_of_memory_note(action))
                     raise
             if settle:
                 for gate in self._collecting:
