@@ -172,6 +172,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.set_per_process_memory_fraction(
                 args.gpu_gib * GiB / torch.cuda.get_device_properties(device).total_memory, device
             )
+    if cuda and args.memory_snapshot:
+        from memory_snapshot import record_until_out_of_memory
+
+        record_until_out_of_memory(args.memory_snapshot)
     roundpipe = args.run == "roundpipe"
     accumulate = max(1, args.seqs // args.micro_batch)
     strategy, optimizer = strategy_for(args.run, accumulate, args.double_buffer)
@@ -276,6 +280,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--workers", type=int, default=1, help="roundpipe workers (GPUs)")
+    p.add_argument("--memory-snapshot", default=None, help="at an out-of-memory, write the allocator's state here")
     p.add_argument(
         "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
     )

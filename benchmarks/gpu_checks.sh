@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
 # Steps: tests soak bubble bubble-all bubble-all-db(f) pcie scaling-1.7b scaling-1.7b-db(f) scaling-1.7b-mb4 scaling-4b
-#        maxseq-1 maxseq-all     (-db: double_buffer='all', -dbf: 'first')
+#        maxseq-1 maxseq-all oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -37,6 +37,9 @@ for step in "${steps[@]}"; do
     scaling-1.7b-db|scaling-1.7b-dbf) buffering=$([ "$step" = scaling-1.7b-db ] && echo all || echo first)
       run "$step" 300 python benchmarks/scaling.py --models qwen3-1.7b --double-buffer "$buffering" \
       --out "$OUT/$step.json" ;;
+    oom-snapshot) run oom-snapshot 150 python benchmarks/baselines.py --run roundpipe --workers "$GPUS" --seqs "$GPUS" \
+      --micro-batch 1 --seq-len 32768 --warmup 3 --steps 1 --gpu-gib 8 --memory-snapshot "$OUT/oom.pickle"
+      cat "$OUT/oom.txt" 2>/dev/null ;;
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \
