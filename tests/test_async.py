@@ -351,3 +351,35 @@ def test_strategy_double_buffer_uploads_odd_steps_from_the_spare_copies(monkeypa
         assert spared and not single
     else:  # the first stage (3 of the 9 layers) reads its groups from the spare copies on odd steps
         assert spared and single and not spared & single
+
+
+@pytest.mark.timeout(60)
+def test_first_stage_spares_grow_only_before_a_steps_first_batch(monkeypatch):
+    """A plan change in the middle of an accumulated step must not give a group a spare then: update
+    step-1's cast, seeing the spare, would write the copy the step's earlier batches still upload (a
+    race found in review). The new first stage gets its spares at the next step's first batch."""
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
+        asynchronous=True, plan=StagePlan.parse("1,1,1,1,1,1|1,1,1,1,1,1,1"), double_buffer="first",
+    )  # fmt: skip
+    spared = lambda: {g.index for g in engine.store.groups if g.spare is not None}  # noqa: E731
+    opt = make_optimizer(model.parameters())
+    grown_at = []
+    data = batches(4, per_step=2)
+    want = staleness_one_reference(copy.deepcopy(model), data)
+    try:
+        for step, step_batches in enumerate(data):
+            for b, (x, y) in enumerate(step_batches):
+                if (step, b) == (1, 1):
+                    engine._set_plan(StagePlan.parse("3,3|1,1,1,1,1,1,1"))  # e.g. profiling ended mid-step
+                before = spared()
+                engine.train_batch(x, y, F.mse_loss, grad_scale=0.5)
+                if spared() != before:
+                    grown_at.append((step, b))
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    assert grown_at == [(2, 0)]
+    assert relative_error(torch.cat([p.detach().flatten() for p in model.parameters()]), want) <= 1e-5

@@ -170,7 +170,7 @@ class PipelineEngine:
         if self.double_buffer == "all":
             spares = self.store.add_spares()
         elif self.double_buffer == "first":
-            spares = self.store.add_spares(self._first_slot_groups(self.plan))
+            spares = self.store.add_spares(self._first_slot_groups(self.plan))  # no batch yet: any time is right
         for group in self.store.groups:
             self.pool.register(group.compute)
             if group.grad is not None:
@@ -423,14 +423,18 @@ class PipelineEngine:
         return [g for g in self.store.groups_of(range(first.start, first.stop)) if self.store.groups[g].trainable]
 
     def _spare_first_slot(self, plan: StagePlan) -> None:
-        """Give the groups ``plan``'s first slot reads a spare copy, before this step's batch is dispatched.
+        """Give the groups ``plan``'s first slot reads a spare copy, before a step's first batch.
 
-        A new spare starts as a copy of the compute copy, which must then hold updates ``0..step-2``:
-        wait for the cast of update ``step - 2`` (it waits for the previous step's last upload of the
-        group, so no earlier batch reads the group any more). The cast of ``step - 1`` cannot have
-        started: it waits for this step's window to close. Casts already queued for the group keep
-        their single-copy waits, which stay correct (they write the copy the step after next reads).
+        Only there: no batch of this step has chosen a copy yet. Update ``step - 1``'s cast decides
+        after its math whether the group has a spare; deciding "yes" it writes the copy the step after
+        next reads at once, which mid-step would be the copy this step's earlier batches still upload
+        (a plan change in the middle of an accumulated step waits for the next step). A new spare
+        starts as a copy of the compute copy, which must hold updates ``0..step-2``: wait for update
+        ``step - 2``'s cast (it waits for the previous step's last upload of the group, so no earlier
+        batch reads the group any more). It is pinned before it is published.
         """
+        if self._windows[self.step].flights:
+            return
         new = [g for g in self._first_slot_groups(plan) if self.store.groups[g].spare is None]
         if not new:
             return
@@ -441,8 +445,7 @@ class PipelineEngine:
                     pending[g].wait()
         except PipelineAborted:
             self._fail()
-        for spare in self.store.add_spares(new):
-            self.pool.register(spare)
+        self.store.add_spares(new, prepare=self.pool.register)
 
     # ------------------------------------------------------------------ forward-only passes
     def begin_evaluation(self) -> None:

@@ -17,8 +17,9 @@ step ``k`` read before, so the cast need not wait for step ``k + 1``'s uploads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -151,14 +152,20 @@ class HostStore:
             return
         self._refresh(group)
 
-    def add_spares(self, groups: Iterable[int] | None = None) -> list[Tensor]:
+    def add_spares(
+        self, groups: Iterable[int] | None = None, prepare: Callable[[Tensor], Any] | None = None
+    ) -> list[Tensor]:
         """Give trainable groups with a separate compute copy (``groups``, or all) a second one (double
-        buffering), holding the same values. Returns the new buffers (to pin)."""
+        buffering), holding the same values; ``prepare`` (e.g. pinning) runs on each before it is
+        published. Returns the new buffers."""
         spares = []
         for group in self.groups if groups is None else [self.groups[g] for g in groups]:
             if group.trainable and group.compute is not group.data and group.spare is None:
-                group.spare = group.compute.clone()  # complete before it is published
-                spares.append(group.spare)
+                spare = group.compute.clone()
+                if prepare is not None:
+                    prepare(spare)
+                group.spare = spare  # readers and casts see it only now, complete
+                spares.append(spare)
         return spares
 
     def reads(self, index: int, step: int) -> Tensor:
