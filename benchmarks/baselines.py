@@ -136,13 +136,14 @@ class Clock(L.Callback):
                            "workers": engine.num_workers}  # fmt: skip
 
 
-def strategy_for(config: str, accumulate: int, double_buffer: str = "none") -> tuple[Any, str]:
+def strategy_for(config: str, accumulate: int, double_buffer: str = "none", gpu_memory: float = 0.8) -> tuple[Any, str]:
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if config == "plain":
         return "auto", "fused-adamw"
     if config == "roundpipe":
-        return RoundPipeStrategy(num_microbatches=accumulate, double_buffer=double_buffer), "fused-adamw"
+        strategy = RoundPipeStrategy(num_microbatches=accumulate, double_buffer=double_buffer, gpu_memory=gpu_memory)
+        return strategy, "fused-adamw"
     if config == "fsdp-offload":
         from torch.distributed.fsdp import MixedPrecision
 
@@ -178,7 +179,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         record_until_out_of_memory(args.memory_snapshot)
     roundpipe = args.run == "roundpipe"
     accumulate = max(1, args.seqs // args.micro_batch)
-    strategy, optimizer = strategy_for(args.run, accumulate, args.double_buffer)
+    strategy, optimizer = strategy_for(args.run, accumulate, args.double_buffer, args.gpu_memory)
     L.seed_everything(0, verbose=False)
     module = Model(shape, optimizer)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
@@ -227,7 +228,7 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
     cmd = [sys.executable, __file__, "--run", config, "--model", args.model, "--device", args.device,
            "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
            "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
-    cmd += ["--double-buffer", args.double_buffer]
+    cmd += ["--double-buffer", args.double_buffer, "--gpu-memory", str(args.gpu_memory)]
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -280,6 +281,7 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--workers", type=int, default=1, help="roundpipe workers (GPUs)")
+    p.add_argument("--gpu-memory", type=float, default=0.8, help="roundpipe: share of the card the plan may use")
     p.add_argument("--memory-snapshot", default=None, help="at an out-of-memory, write the allocator's state here")
     p.add_argument(
         "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
 # Steps: tests soak bubble bubble-all bubble-all-db(f) pcie scaling-1.7b scaling-1.7b-db(f) scaling-1.7b-mb4 scaling-4b
-#        maxseq-1 maxseq-all oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
+#        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -18,9 +18,9 @@ run() {  # run NAME SECONDS COMMAND...
   echo "rc=$?" >> "$OUT/$name.log"
   tail -n 8 "$OUT/$name.log"
 }
-maxseq() {  # maxseq WORKERS: longest sequence of the 1.7B shape on cards capped at 8 GiB
-  run "maxseq-$1" 290 python benchmarks/baselines.py --max-seq roundpipe --workers "$1" --gpu-gib 8 \
-    --seq-len 16384 --seq-step 16384 --probe-timeout 100 --out "$OUT/maxseq-$1.json"
+maxseq() {  # maxseq WORKERS [GPU_MEMORY]: longest sequence of the 1.7B shape on cards capped at 8 GiB
+  run "maxseq-$1${2:+-gm$2}" 290 python benchmarks/baselines.py --max-seq roundpipe --workers "$1" --gpu-gib 8 \
+    --seq-len 16384 --seq-step 16384 --probe-timeout 100 --gpu-memory "${2:-0.8}" --out "$OUT/maxseq-$1${2:+-gm$2}.json"
 }
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests soak bubble)
@@ -47,6 +47,7 @@ for step in "${steps[@]}"; do
     scaling-4b) run scaling-4b 400 python benchmarks/scaling.py --models qwen3-4b --out "$OUT/scaling-4b.json" ;;
     maxseq-1) maxseq 1 ;;
     maxseq-all) maxseq "$GPUS" ;;
+    maxseq-all-gm0.65) maxseq "$GPUS" 0.65 ;;  # the plan leaves room for the allocator's fragmentation
     *) echo "unknown step $step" ;;
   esac
 done
