@@ -61,7 +61,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             :class:`~lightning_roundpipe.schedule.StagePlan` or its printed form ``"3,3|1,2,2,2"``
             (forward stage sizes | backward stage sizes, the first backward stage being the fused
             last-forward/first-backward stage); ``None`` uses ``StagePlan.uniform``.
-        profile_steps: batches measured before the automatic plan is computed.
+        profile_steps: batches measured before the automatic plan is computed. On CUDA these batches
+            measure each layer's memory peaks, which resets ``torch.cuda`` peak memory statistics.
         overlap: how weight uploads and gradient downloads overlap compute: ``"priority"`` (cut
             into parts issued between activation copies; the default), ``"simple"`` (one piece,
             prefetched a stage ahead) or ``"none"`` (no overlap; for comparison).

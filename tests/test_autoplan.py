@@ -117,3 +117,43 @@ def test_replan_on_request_and_busy_fractions():
         assert engine.busy and all(0 < b <= 1 for b in engine.busy.values())
     finally:
         engine.close()
+
+
+class MeteredDevice(WorkerDevice):
+    """A CPU worker that reports memory peaks, as a CUDA device does (a fixed 1000 bytes per action here)."""
+
+    def memory_mark(self):
+        return 0
+
+    def memory_peak_since(self, mark):
+        return 1000
+
+
+@pytest.mark.timeout(120)
+def test_profiling_takes_memory_peaks_into_the_costs_where_the_device_measures_them():
+    _SLOW.update(layer=-1)
+    engine = PipelineEngine(
+        list(model().children()), [MeteredDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=0,
+    )  # fmt: skip
+    try:
+        for s in range(2):
+            engine.train_batch(*batch(s), F.mse_loss)
+            engine.store.clear_grads()
+        costs = engine.layer_costs
+        assert costs is not None
+        # forward stages: the peak as measured (the last layer runs only in the fused stage)
+        assert costs.forward_activations == (1000,) * 7 + (0,)
+        # recompute and backward: the peak beyond what autograd kept and the layer's own gradients
+        grads = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in engine.layers]
+        want = tuple(max(0, 1000 - kept - g) for kept, g in zip(costs.backward_activations, grads))
+        assert costs.backward_transients == want
+    finally:
+        engine.close()
+    plain = PipelineEngine(list(model().children()), [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1)
+    try:
+        plain.train_batch(*batch(0), F.mse_loss)
+        assert plain.layer_costs is not None
+        assert not any(plain.layer_costs.backward_transients) and not any(plain.layer_costs.forward_activations)
+    finally:
+        plain.close()

@@ -16,6 +16,7 @@ def random_costs(rng: random.Random, layers: int) -> LayerCosts:
     return LayerCosts(
         forward, backward, params, params,
         tuple(rng.randint(0, 4) for _ in range(layers)), tuple(rng.randint(1, 6) for _ in range(layers)),
+        tuple(rng.choice([0, 0, rng.randint(1, 12)]) for _ in range(layers)),
     )  # fmt: skip
 
 
@@ -27,6 +28,7 @@ def stage_memory_ok(costs: LayerCosts, result, limit: float) -> bool:
             need = 2 * sum(costs.params[a:b]) + max(costs.forward_activations[a:b])
         else:
             need = 2 * sum(costs.params[a:b]) + 2 * sum(costs.grads[a:b]) + sum(costs.backward_activations[a:b])
+            need += max(costs.backward_transients[a:b])
         if need > limit:
             return False
     return True
@@ -85,3 +87,19 @@ def test_every_worker_gets_a_slot_when_layers_allow():
     costs = LayerCosts((0.1,) * 8, (0.3,) * 7 + (3.0,))  # one fused stage could hold everything
     got = partition(costs, workers=4, microbatches=8)
     assert got.plan.num_slots >= 4
+
+
+def test_backward_transients_count_once_per_stage_and_shrink_stages_near_the_limit():
+    # a heavy last layer (the LM head) sets t_max, so the other layers pack into large stages
+    base = dict(params=(1,) * 4, grads=(1,) * 4, backward_activations=(10,) * 4)
+    lean = LayerCosts((0.5,) * 4, (1.0, 1.0, 1.0, 6.0), **base)
+    heavy = LayerCosts((0.5,) * 4, (1.0, 1.0, 1.0, 6.0), **base, backward_transients=(9,) * 4)
+
+    def widest(plan):
+        return max(s.stop - s.start for s in plan.stages() if s.kind.value == "B")
+
+    assert widest(partition(lean, 2, 2, 45).plan) == 3  # 2 * 6 + 30 = 42
+    assert widest(partition(heavy, 2, 2, 45).plan) == 2  # 42 + 9 > 45; two layers: 8 + 20 + 9 = 37 (not 46)
+    assert widest(partition(heavy, 2, 2, 36).plan) == 1  # 37 > 36
+    with pytest.raises(Infeasible, match="transient"):
+        partition(heavy, 2, 2, 20)  # one layer alone: 4 + 10 + 9 = 23

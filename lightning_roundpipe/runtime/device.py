@@ -97,6 +97,15 @@ class WorkerDevice:
         return reference.elapsed_time(point) / 1e3
 
     # ------------------------------------------------------------------ memory and copies
+    def memory_mark(self) -> Any:
+        """Start measuring the device memory the calling thread's next work allocates at its peak
+        (``None``: this device cannot tell; the CPU stand-in)."""
+        return None
+
+    def memory_peak_since(self, mark: Any) -> int:
+        """Bytes allocated at the peak since :meth:`memory_mark` beyond what was allocated then."""
+        return 0
+
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
         """A 1-D device buffer allocated for use on ``stream``."""
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -219,6 +228,15 @@ class CudaWorkerDevice(WorkerDevice):
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
+
+    def memory_mark(self) -> Any:
+        # the caching allocator's own count, at allocation time: what the device must hold
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return base
+
+    def memory_peak_since(self, mark: Any) -> int:
+        return max(0, torch.cuda.max_memory_allocated(self.device) - mark)
 
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
         with torch.cuda.stream(stream):

@@ -384,6 +384,7 @@ class PipelineEngine:
             self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
             self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
             self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record, step=self.step,
+            measure_memory=record and self._profile is not None,
         )  # fmt: skip
         if record:
             self._recording.append(flight)

@@ -367,11 +367,14 @@ class StageExecutor:
             weights = self._slot_tensors(stage, action)
             dev.wait(dev.compute, ready)
             start = dev.timer(dev.compute) if flight.record else None
+            mark = dev.memory_mark() if flight.measure_memory else None
             for i in stage.layers:
                 if i in self._saved and i != stage.start and not flight.evaluating:
                     flight.put(("act", i, m), dev.download(x, dev.record(dev.compute)))
                 x = self._layer(i, weights, x, flight, m)
             done = dev.record(dev.compute)
+            if mark is not None:
+                flight.memory.append((action, dev.memory_peak_since(mark)))
             if flight.record:
                 flight.records.setdefault(dev.index, []).append((action, start, None, dev.timer(dev.compute), 0))
         flight.put(("act", stage.stop, m), dev.download(x, done))
@@ -444,6 +447,7 @@ class StageExecutor:
             start = dev.timer(dev.compute) if flight.record else None
             weights_storage = {flat.untyped_storage().data_ptr() for flat in weights_flats(self._loaded, action)}
             saved = _SavedBytes(weights_storage) if flight.record else contextlib.nullcontext()
+            mark = dev.memory_mark() if flight.measure_memory else None
             with torch.enable_grad(), saved:
                 # Layers get non-leaf copies, so an in-place first operation (ReLU(inplace=True)) is legal.
                 x = tree_unflatten(
@@ -469,6 +473,9 @@ class StageExecutor:
                 torch.autograd.backward(roots, root_grads)
                 self._loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
+            if mark is not None:
+                grads = sum(self.store.groups[g].compute.nbytes for g in self._trainable[stage.slot])
+                flight.memory.append((action, max(0, dev.memory_peak_since(mark) - saved.bytes - grads)))
             if flight.record:
                 end = dev.timer(dev.compute)
                 flight.records.setdefault(dev.index, []).append((action, start, mid, end, saved.bytes))

@@ -54,6 +54,7 @@ class Flight:
         record: bool = False,
         evaluating: bool = False,
         step: int = 0,
+        measure_memory: bool = False,
     ) -> None:
         self.call = call
         self.step = step
@@ -76,6 +77,11 @@ class Flight:
         """Record compute timings: per worker, (action, start, after forward, end, saved bytes) with
         timer points of that worker's device (``after forward`` is ``None`` for forward actions)."""
         self.records: dict[int, list[tuple[Any, ...]]] = {}
+        self.measure_memory = measure_memory
+        """Profiling on devices that can tell: record each action's peak memory in :attr:`memory`."""
+        self.memory: list[tuple[Any, int]] = []
+        """(action, bytes): a forward's peak, or a recompute and backward's peak beyond what autograd kept
+        and the stage's gradients (its transient)."""
         self.references: dict[int, tuple[Any, float]] = {}
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
         """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""

@@ -68,6 +68,8 @@ class LayerProfile:
         self.recompute: dict[int, list[float]] = defaultdict(list)
         self.backward: dict[int, list[float]] = defaultdict(list)
         self.activations: dict[int, list[int]] = defaultdict(list)
+        self.forward_peaks: dict[int, list[int]] = defaultdict(list)
+        self.backward_transients: dict[int, list[int]] = defaultdict(list)
         self.batches = 0
 
     @staticmethod
@@ -85,6 +87,9 @@ class LayerProfile:
                     self.recompute[layer].append(WorkerDevice.elapsed(start, mid))
                     self.backward[layer].append(WorkerDevice.elapsed(mid, end))
                     self.activations[layer].append(saved)
+        for action, nbytes in flight.memory:
+            layer = stages[action.slot].start
+            (self.forward_peaks if action.op.value == "F" else self.backward_transients)[layer].append(nbytes)
         self.batches += 1
 
     def costs(self, store: HostStore) -> LayerCosts:
@@ -95,7 +100,13 @@ class LayerProfile:
         backward = [fmean(self.recompute[i]) + fmean(self.backward[i]) for i in range(L)]
         params, grads = layer_bytes(store)
         acts = [int(fmean(self.activations[i])) for i in range(L)]
-        return LayerCosts(tuple(forward), tuple(backward), tuple(params), tuple(grads), (0,) * L, tuple(acts))
+        # memory peaks: the largest seen (a limit must hold for every micro-batch), 0 where not measured
+        forward_peaks = [max(self.forward_peaks[i], default=0) for i in range(L)]
+        transients = [max(self.backward_transients[i], default=0) for i in range(L)]
+        return LayerCosts(
+            tuple(forward), tuple(backward), tuple(params), tuple(grads), tuple(forward_peaks), tuple(acts),
+            tuple(transients),
+        )  # fmt: skip
 
 
 def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:

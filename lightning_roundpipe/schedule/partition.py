@@ -15,7 +15,9 @@ slowest stage. How:
    best found so far.
 
 Memory of a stage (bytes): forward stages ``2 * sum(params) + max(forward activations)``; backward
-and fused stages ``2 * sum(params + grads) + sum(backward activations)``. Weights and gradients count
+and fused stages ``2 * sum(params + grads) + sum(backward activations) + max(backward transients)``
+(what autograd keeps adds up over the stage's layers; each layer's recompute and backward
+intermediates come and go one layer at a time). Weights and gradients count
 twice because the next stage's weights arrive and the previous stage's gradients leave while a stage
 computes; activations are those of one micro-batch.
 """
@@ -43,14 +45,18 @@ class LayerCosts:
     """Peak transient memory of the layer's forward without autograd."""
     backward_activations: tuple[int, ...] = ()
     """Memory autograd keeps for the layer between recompute and backward."""
+    backward_transients: tuple[int, ...] = ()
+    """Peak memory of the layer's recompute and backward beyond what autograd keeps and its gradients
+    (intermediates, workspaces); one layer's at a time, so a stage needs the largest of them."""
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         zeros = (0,) * n
-        for name in ("params", "grads", "forward_activations", "backward_activations"):
+        sized = ("params", "grads", "forward_activations", "backward_activations", "backward_transients")
+        for name in sized:
             if not getattr(self, name):
                 object.__setattr__(self, name, zeros)
-        for name in ("backward", "params", "grads", "forward_activations", "backward_activations"):
+        for name in ("backward", *sized):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"LayerCosts.{name} has {len(getattr(self, name))} entries for {n} layers")
         if n == 0:
@@ -158,17 +164,20 @@ class _Packer:
         self.b_prefix = list(itertools.accumulate(reversed(c.backward), initial=0.0))
         state_f = [2 * p for p in c.params]
         state_b = [2 * (p + g) for p, g in zip(c.params, c.grads)]
-        self.f_reach = self._memory_reach(state_f, list(c.forward_activations), peak=True)
-        self.b_reach = self._memory_reach(state_b[::-1], list(c.backward_activations)[::-1], peak=False)
+        zeros = [0.0] * self.L
+        self.f_reach = self._memory_reach(state_f, zeros, list(c.forward_activations))
+        kept, transient = list(c.backward_activations)[::-1], list(c.backward_transients)[::-1]
+        self.b_reach = self._memory_reach(state_b[::-1], kept, transient)
 
-    def _memory_reach(self, state: list[float], acts: list[float], peak: bool) -> list[int]:
-        """For each start i, the end j (exclusive, largest) such that layers i..j-1 fit the limit."""
+    def _memory_reach(self, state: list[float], kept: list[float], peaks: list[float]) -> list[int]:
+        """For each start i, the end j (exclusive, largest) such that layers i..j-1 fit the limit: their
+        state and kept memory add up, their peaks come one at a time."""
         reach = []
         for i in range(self.L):
             total, top, j = 0.0, 0.0, i
             while j < self.L:
-                total += state[j] + (0.0 if peak else acts[j])
-                top = max(top, acts[j]) if peak else 0.0
+                total += state[j] + kept[j]
+                top = max(top, peaks[j])
                 if total + top > self.limit:
                     break
                 j += 1
@@ -227,13 +236,14 @@ class _Packer:
     def infeasibility(self) -> str:
         c = self.costs
         for i in range(self.L):
-            need_b = 2 * (c.params[i] + c.grads[i]) + c.backward_activations[i]
+            need_b = 2 * (c.params[i] + c.grads[i]) + c.backward_activations[i] + c.backward_transients[i]
             need_f = 2 * c.params[i] + c.forward_activations[i]
             if max(need_b, need_f) > self.limit:
                 return (
                     f"layer {i} needs {max(need_b, need_f) / 2**30:.2f} GiB as a stage of its own (parameters"
                     f" {c.params[i] / 2**30:.2f} GiB, gradients {c.grads[i] / 2**30:.2f} GiB, activations of one"
-                    f" micro-batch {c.backward_activations[i] / 2**30:.2f} GiB, weights and gradients counted twice"
+                    f" micro-batch {c.backward_activations[i] / 2**30:.2f} GiB kept and"
+                    f" {c.backward_transients[i] / 2**30:.2f} GiB transient, weights and gradients counted twice"
                     f" for prefetch) but the limit is {self.limit / 2**30:.2f} GiB. Use smaller micro-batches, a"
                     " device with more memory, or split the layer."
                 )
@@ -251,7 +261,7 @@ def brute_force(costs: LayerCosts, workers: int, microbatches: int, memory_limit
 
     def bwd_ok(a: int, b: int) -> bool:
         state = sum(2 * (p + g) for p, g in zip(c.params[a:b], c.grads[a:b]))
-        return state + sum(c.backward_activations[a:b]) <= limit
+        return state + sum(c.backward_activations[a:b]) + max(c.backward_transients[a:b]) <= limit
 
     def fronts(n: int, ok, time) -> dict[int, float]:
         """Over all ways to cut layers 0..n-1 into contiguous stages: stage count -> least max stage time."""
