@@ -166,11 +166,12 @@ class PipelineEngine:
         if self.double_buffer != "none" and not asynchronous:
             raise ValueError(f"double_buffer={double_buffer!r} is for the asynchronous optimizer (asynchronous=True)")
         self.store = HostStore(layers, compute_dtype, separate_compute=asynchronous)
+        self._grad_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         spares = []
         if self.double_buffer == "all":
             spares = self.store.add_spares()
         elif self.double_buffer == "first":
-            spares = self.store.add_spares(self._first_slot_groups(self.plan))  # no batch yet: any time is right
+            spares = self.store.add_spares(self._slot_grad_groups(self.plan)[0])  # no batch yet: any time is right
         for group in self.store.groups:
             self.pool.register(group.compute)
             if group.grad is not None:
@@ -220,7 +221,6 @@ class PipelineEngine:
             )
         self._trainable = tuple(g.index for g in self.store.groups if g.trainable)
         self._schedules: dict[tuple[StagePlan, int], Schedule] = {}
-        self._grad_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         self._grad_chain: dict[int, Gate] = {}
         self._optimizer = OptimizerWorker(self.store, self._on_worker_error) if asynchronous else None
         self._pool = WorkerPool(
@@ -419,10 +419,6 @@ class PipelineEngine:
         self._harvest(wait=True)
         return flight.batch_loss()
 
-    def _first_slot_groups(self, plan: StagePlan) -> list[int]:
-        first = plan.stages()[0]
-        return [g for g in self.store.groups_of(range(first.start, first.stop)) if self.store.groups[g].trainable]
-
     def _spare_first_slot(self, plan: StagePlan) -> None:
         """Give the groups ``plan``'s first slot reads a spare copy, before a step's first batch.
 
@@ -436,7 +432,7 @@ class PipelineEngine:
         """
         if self._windows[self.step].flights:
             return
-        new = [g for g in self._first_slot_groups(plan) if self.store.groups[g].spare is None]
+        new = [g for g in self._slot_grad_groups(plan)[0] if self.store.groups[g].spare is None]
         if not new:
             return
         pending = self._cast_done.get(self.step - 2, {})
