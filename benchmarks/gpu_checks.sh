@@ -27,7 +27,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     tests) run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py ;;
-    soak) run soak 240 python benchmarks/soak.py --out "$OUT/soak.json" ;;
+    soak) run soak 420 python benchmarks/soak.py --out "$OUT/soak.json" ;;
     bubble) run bubble 150 python benchmarks/bubble_check.py --out "$OUT/bubble.json" ;;
     bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" \
       --timeline "$OUT/timeline-all.json" --out "$OUT/bubble-all.json" ;;
