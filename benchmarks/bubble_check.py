@@ -128,15 +128,17 @@ def main() -> None:
                     "stages": float(r["roundpipe/stages"]),
                     "in_step": float(r.get("roundpipe/bubble_in_step") or "nan"),
                     "host_gap": float(r.get("roundpipe/host_gap") or "nan"),
+                    "handoff_s": float(r.get("roundpipe/handoff_s") or "nan"),
                     "busy": [float(v) for k, v in sorted(r.items()) if k.startswith("roundpipe/busy_worker") and v],
                 }
             )
     print(f"plan {engine_plan}; {len(steps)} steps on the automatic plan; fit took {wall:.0f} s")
-    print(f"{'step':>4} {'measured':>9} {'in step':>8} {'host gap':>8} {'predicted':>9}  idle per device")
+    head = f"{'step':>4} {'measured':>9} {'in step':>8} {'host gap':>8} {'predicted':>9} {'handoff s':>9}"
+    print(head + "  idle per device")
     for s in steps:
         idle = " ".join(f"{1 - b:.3f}" for b in s["busy"])
         print(f"{s['step']:4d} {s['measured']:9.3f} {s['in_step']:8.3f} {s['host_gap']:8.3f}"
-              f" {s['predicted']:9.3f}  {idle}")  # fmt: skip
+              f" {s['predicted']:9.3f} {s['handoff_s']:9.3f}  {idle}")  # fmt: skip
     if args.timeline and module.timeline:
         from lightning_roundpipe.callbacks import write_timeline
 

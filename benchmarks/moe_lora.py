@@ -43,9 +43,15 @@ def build(shape: str) -> torch.nn.Module:
     config = transformers.Qwen3MoeConfig(
         **SHAPES[shape], decoder_sparse_step=1, tie_word_embeddings=False, attn_implementation="sdpa"
     )
-    with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    # built in bf16 from the start: an fp32 model of 30 B parameters (122 GB) would not fit the host
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = transformers.Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device="cpu")
     init_hf(model, config)
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = peft.get_peft_model(model, lora)

@@ -29,12 +29,14 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
 
     - ``roundpipe/busy_worker{i}``: fraction of the measured step worker ``i``'s device computed
     - ``roundpipe/bubble_measured``: ``1 - mean(busy)``
-    - ``roundpipe/bubble_predicted``: the simulator's bubble ratio for the current plan and measured
-      layer costs (after the automatic plan was made)
+    - ``roundpipe/bubble_predicted``: the simulator's bubble ratio for the current plan, measured
+      layer costs and measured handoff between batches (after the automatic plan was made)
     - ``roundpipe/bubble_in_step``: idle fraction between the step's first and last kernel (the
       pipeline's own bubble: compare it with the prediction on one worker or synchronously)
     - ``roundpipe/host_gap``: fraction of the step from its last kernel to the next step's first, when
       the devices wait for the host
+    - ``roundpipe/handoff_s``: what the prediction charges between two batches (the host's turn, the
+      first slot's wait for its casts and its upload; see ``PipelineEngine.handoff``)
     - ``roundpipe/stages``: slots per round in the current plan
     - ``roundpipe/h2d_gbps``, ``roundpipe/d2h_gbps``: host-to-device and device-to-host bandwidth
       since the previous log
@@ -104,6 +106,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/bubble_in_step"] = engine.bubble_in_step
         if engine.host_gap is not None:
             metrics["roundpipe/host_gap"] = engine.host_gap
+        if engine.handoff is not None:
+            metrics["roundpipe/handoff_s"] = engine.handoff
         now, moved = time.perf_counter(), engine.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9

@@ -157,3 +157,31 @@ def test_profiling_takes_memory_peaks_into_the_costs_where_the_device_measures_t
         assert not any(plain.layer_costs.backward_transients) and not any(plain.layer_costs.forward_activations)
     finally:
         plain.close()
+
+
+@pytest.mark.timeout(120)
+def test_prediction_charges_the_measured_handoff_between_batches():
+    """The host's turn between batches (here a 0.3 s pause in the training loop) and the first slot's
+    upload are measured and charged: with one worker nothing hides them, and the prediction follows
+    the measured bubble instead of claiming a packed device."""
+    from lightning_roundpipe.schedule.simulate import simulate
+
+    _SLOW.update(layer=4)
+    engine = PipelineEngine(
+        list(model().children()), [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=0,
+    )  # fmt: skip
+    try:
+        for s in range(7):
+            engine.measure_next()
+            engine.train_batch(*batch(s), F.mse_loss)
+            time.sleep(0.3)
+        assert engine.handoff is not None and 0.3 <= engine.handoff < 0.6
+        packed = simulate("roundpipe-async", engine.layer_costs, 1, 2, plan=engine.plan).bubble_ratio
+        charged = simulate("roundpipe-async", engine.layer_costs, 1, 2, plan=engine.plan, handoff=engine.handoff)
+        assert engine.predicted_bubble == pytest.approx(charged.bubble_ratio)
+        assert engine.predicted_bubble > packed + 0.3
+        measured = 1.0 - engine.busy[0]
+        assert engine.predicted_bubble == pytest.approx(measured, abs=0.15)
+    finally:
+        engine.close()

@@ -17,9 +17,11 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import partial
+from statistics import median
 from typing import Any
 
 import torch
@@ -144,6 +146,15 @@ class PipelineEngine:
         self._drifted = 0
         self._record_next = False
         self._submitted: dict[int, float] = {}  # call -> when it was submitted (recent calls only)
+        self.handoff: float | None = None
+        """Seconds from a batch's last loss to the earliest start of the next batch's first slot, as
+        the simulator charges it: the host's turn between two batches (from :meth:`train_batch`
+        returning to its next call), the first slot's wait for the casts of its weights (one compute
+        copy: the cast of update ``k - 1`` waits for step ``k``'s last read) and the upload of its
+        weights (medians of recent measured batches)."""
+        self._returned: float | None = None
+        self._turns: deque[float] = deque(maxlen=5)
+        self._first_uploads: deque[float] = deque(maxlen=5)
         self.num_workers = len(devices)
         self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
         if self.microbatches_per_round < self.num_workers:
@@ -306,8 +317,13 @@ class PipelineEngine:
         busy = busy_seconds(flight)
         if period is not None:
             self.busy = {w: min(1.0, s / period) for w, s in busy.items()}
+        if len(flight.first_upload) == 2 and flight.schedule.plan == self.plan:
+            self._first_uploads.append(flight.cast_wait + WorkerDevice.elapsed(*flight.first_upload))
+            if self._turns:
+                self.handoff = median(self._turns) + median(self._first_uploads)
+                self._predict()
         if self.last_timeline:
-            span = max(end for *_, end in self.last_timeline) - min(start for *_, start in self.last_timeline)
+            span = max(row[3] for row in self.last_timeline) - min(row[2] for row in self.last_timeline)
             if span > 0:
                 self.bubble_in_step = max(0.0, 1.0 - sum(busy.values()) / (self.num_workers * span))
                 self.host_gap = None if period is None else max(0.0, 1.0 - span / period)
@@ -342,10 +358,17 @@ class PipelineEngine:
     def _set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
         self.plan = plan
+        self._first_uploads.clear()  # another first slot
+        self.handoff = None
+        self._predict()
+
+    def _predict(self) -> None:
+        """The simulator's bubble ratio for the current plan, measured layer costs and handoff."""
         if self.layer_costs is not None:
             self.predicted_bubble = simulate(
                 "roundpipe-async" if self.asynchronous else "roundpipe-sync",
-                self.layer_costs, self.num_workers, self.num_microbatches, plan=plan,
+                self.layer_costs, self.num_workers, self.num_microbatches, plan=self.plan,
+                handoff=self.handoff or 0.0,
             ).bubble_ratio  # fmt: skip
 
     # ------------------------------------------------------------------ one batch
@@ -373,7 +396,10 @@ class PipelineEngine:
         if not self.asynchronous:
             self.store.sync_compute()
         self._submitted = {c: t for c, t in self._submitted.items() if c >= self.calls - 8}
-        self._submitted[self.calls] = time.perf_counter()
+        self._submitted[self.calls] = now = time.perf_counter()
+        if self._returned is not None:
+            self._turns.append(now - self._returned)
+            self._returned = None
         self._harvest()
         schedule = self.schedule(self.dispatch_position)
         if self.double_buffer == "first":
@@ -400,6 +426,7 @@ class PipelineEngine:
             except PipelineAborted:
                 self._fail()
             self._prune()
+            self._returned = time.perf_counter()
             return loss
         try:
             for task in tasks:
@@ -417,7 +444,9 @@ class PipelineEngine:
             self._recover()
             raise error
         self._harvest(wait=True)
-        return flight.batch_loss()
+        loss = flight.batch_loss()
+        self._returned = time.perf_counter()
+        return loss
 
     def _spare_first_slot(self, plan: StagePlan) -> None:
         """Give the groups ``plan``'s first slot reads a spare copy, before a step's first batch.

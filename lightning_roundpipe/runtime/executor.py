@@ -213,12 +213,17 @@ class StageExecutor:
         dev = self.device
         key = (action.round, action.slot)
         if action.is_first_part:
+            waiting = time.perf_counter()
             for g in self._trainable[stage.slot]:  # edge 2: the copy this step must read is in place
                 gate = flight.upload_waits.get(g)
                 if gate is not None:
                     gate.wait()
+            if flight.record and key == (0, 0):
+                flight.cast_wait = time.perf_counter() - waiting
             if self.overlap == "none":  # no prefetch: upload only once the device finished computing
                 dev.wait(dev.param_up, dev.record(dev.compute))
+            if flight.record and key == (0, 0):
+                flight.first_upload.append(dev.timer(dev.param_up))
             self._loaded[key] = _Loaded(
                 {
                     g: dev.empty(self.store.groups[g].compute.numel(), self.store.groups[g].compute.dtype, dev.param_up)
@@ -231,6 +236,8 @@ class StageExecutor:
             dev.copy_up(loaded.flats[g][start:stop], source[start:stop], dev.param_up)
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
+            if flight.record and key == (0, 0):
+                flight.first_upload.append(dev.timer(dev.param_up))
             for g in self._trainable[stage.slot]:
                 if flight.last_upload.get(g) == key:  # edge 1: after this copy, the cast may overwrite
                     flight.mark_uploaded(g, loaded.ready)

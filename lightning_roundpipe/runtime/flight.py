@@ -83,6 +83,12 @@ class Flight:
         """(action, bytes): a forward's peak, or a recompute and backward's peak beyond what autograd kept
         and the stage's gradients (its transient)."""
         self.references: dict[int, tuple[Any, float]] = {}
+        self.cast_wait = 0.0
+        """Recorded batches: host seconds the first slot's upload waited for the casts of its weights."""
+        self.first_upload: list[Any] = []
+        """Recorded batches: timer points before and after the upload of the first slot's weights, on
+        the stream that copies them (what the next batch cannot prefetch: see ``handoff`` in
+        :func:`~lightning_roundpipe.schedule.simulate.roundpipe`)."""
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
         """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self._lock = threading.Lock()

@@ -34,6 +34,8 @@ class Task:
     duration: float
     deps: list[int] = field(default_factory=list)
     iteration: int = 0
+    after: list[tuple[int, float]] = field(default_factory=list)
+    """Dependencies with a lag: the task starts no earlier than ``lag`` seconds after each one ends."""
 
 
 @dataclass
@@ -93,9 +95,10 @@ def run(tasks: list[Task], order: list[list[int]], iterations: int) -> Timeline:
         for w, queue in enumerate(order):
             while position[w] < len(queue):
                 i = queue[position[w]]
-                if not all(done[d] for d in tasks[i].deps):
+                task = tasks[i]
+                if not all(done[d] for d in task.deps) or not all(done[d] for d, _ in task.after):
                     break
-                start[i] = max([free[w], *(end[d] for d in tasks[i].deps)])
+                start[i] = max([free[w], *(end[d] for d in task.deps), *(end[d] + lag for d, lag in task.after)])
                 end[i] = start[i] + tasks[i].duration
                 free[w] = end[i]
                 done[i] = True
@@ -118,15 +121,25 @@ def roundpipe(
     asynchronous: bool = True,
     rounds: int = 1,
     slot_times: Sequence[float] | None = None,
+    handoff: float = 0.0,
 ) -> Timeline:
-    """RoundPipe over ``iterations`` steps of ``microbatches`` (``rounds`` rounds each)."""
+    """RoundPipe over ``iterations`` steps of ``microbatches`` (``rounds`` rounds each).
+
+    ``handoff``: seconds from the last loss of one iteration to the earliest start of the next
+    iteration's first slot. The next batch exists only once the host has every loss of this one (the
+    training loop's turn), and its first slot's weights are uploaded only then: nothing can prefetch
+    them earlier. Slots after the fused one hide this; a plan that ends with its fused stage (one
+    worker, everything fused) shows all of it.
+    """
     stages = plan.stages()
+    fused = [s for s, stage in enumerate(stages) if stage.kind.value == "L"]
     times = stage_times(costs, plan) if slot_times is None else list(slot_times)
     mb_per_round = microbatches // rounds
     tasks: list[Task] = []
     order: list[list[int]] = [[] for _ in range(workers)]
     first = 0
     barrier: list[int] = []
+    losses: list[int] = []
     for it in range(iterations):
         schedule = round_robin(plan, workers, mb_per_round, rounds, first)
         first = schedule.next_first_worker
@@ -141,6 +154,10 @@ def roundpipe(
         for (slot, m), i in index.items():
             if slot > 0:  # a micro-batch leaves one slot for the next
                 tasks[i].deps.append(index[(slot - 1, m)])
+        if it > 0 and handoff > 0:
+            for m in range(microbatches):
+                tasks[index[(0, m)]].after += [(i, handoff) for i in losses]
+        losses = [index[(s, m)] for s in fused for m in range(microbatches)]
         barrier = [index[(len(stages) - 1, m)] for m in range(microbatches)]
     return run(tasks, order, iterations)
 
@@ -271,12 +288,14 @@ def simulate(
     plan: StagePlan | None = None,
     chunks: int = 2,
     iterations: int = 4,
+    handoff: float = 0.0,
 ) -> Timeline:
-    """The timeline of ``schedule`` (one of :data:`SCHEDULES`); RoundPipe needs ``plan``."""
+    """The timeline of ``schedule`` (one of :data:`SCHEDULES`); RoundPipe needs ``plan`` and takes a
+    ``handoff`` between iterations (see :func:`roundpipe`)."""
     if schedule.startswith("roundpipe"):
         if plan is None:
             raise ValueError("RoundPipe needs a stage plan (see lightning_roundpipe.schedule.partition)")
-        return roundpipe(costs, plan, workers, microbatches, iterations, schedule == "roundpipe-async")
+        return roundpipe(costs, plan, workers, microbatches, iterations, schedule == "roundpipe-async", handoff=handoff)
     if schedule == "interleaved-1f1b" and microbatches % workers:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({microbatches}) in multiples of workers ({workers})")
     return _bound(costs, workers, microbatches, _chunks(schedule, chunks), iterations, schedule)
