@@ -470,7 +470,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         assert self.engine is not None and self.lightning_module is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         grad_scale = self.precision_plugin.loss_scale / accumulate
-        loss = self.engine.train_batch(inputs, target, loss_fn, reduction, grad_scale=grad_scale)
+        loss = self.engine.train_batch(
+            inputs, target, loss_fn, reduction, grad_scale=grad_scale, last_of_step=self._last_of_step()
+        )
         finite = bool(torch.isfinite(loss))
         if self._num_nodes > 1 and self.precision_plugin.precision != "16-mixed":
             # every node must stop on the same step, or the others wait in the gradient exchange
@@ -489,6 +491,19 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             )
         self._step_loss = loss
         return loss
+
+    def _last_of_step(self) -> bool:
+        """Whether Lightning steps the optimizer after this batch (automatic optimisation, asked of its
+        training loop; one pipeline call per ``training_step`` is enforced above). ``False`` when it
+        cannot tell: the engine then learns the step's batches at ``optimizer_step``, a little later."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        if not self.async_optimizer or not self.lightning_module.automatic_optimization:
+            return False
+        try:
+            return not trainer.fit_loop.epoch_loop._should_accumulate()
+        except AttributeError:  # a Lightning without this loop method
+            return False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

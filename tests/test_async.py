@@ -39,15 +39,19 @@ def make_optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def run_async(model, data, workers=2, clip=None, algorithm="norm", lrs=None, kind="adamw", **engine_kwargs):
+def run_async(
+    model, data, workers=2, clip=None, algorithm="norm", lrs=None, kind="adamw", last_of_step=False, **engine_kwargs
+):
+    """``last_of_step``: tell the engine which batch ends each step (what the strategy does)."""
     engine = PipelineEngine(
         list(model.children()), [WorkerDevice("cpu", i) for i in range(workers)], asynchronous=True, **engine_kwargs
     )
     opt = make_optimizer(model.parameters(), kind)
     try:
         for t, step_batches in enumerate(data):
-            for x, y in step_batches:
-                engine.train_batch(x, y, F.mse_loss, grad_scale=1.0 / len(step_batches))
+            for i, (x, y) in enumerate(step_batches):
+                last = last_of_step and i == len(step_batches) - 1
+                engine.train_batch(x, y, F.mse_loss, grad_scale=1.0 / len(step_batches), last_of_step=last)
             if lrs is not None:
                 for group in opt.param_groups:
                     group["lr"] = lrs[t]
@@ -108,6 +112,30 @@ def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, 
         # the spared groups follow the plan: the profiling plan's first slot, then the partitioned one's
         (2, {"microbatches_per_round": 3, "plan": "auto", "profile_steps": 1, "double_buffer": "first"}, 1),
         (2, {"microbatches_per_round": 2, "plan": "auto", "profile_steps": 1, "double_buffer": "first"}, 2),
+        # the step's last batch announced: casts start during the step
+        (1, {"last_of_step": True, "plan": StagePlan.parse("|7")}, 1),
+        (2, {"microbatches_per_round": 2, "last_of_step": True}, 2),
+        (
+            3,
+            {
+                "microbatches_per_round": 3,
+                "num_rounds": 2,
+                "plan": StagePlan.parse("2,2,1|2,1,2,2"),
+                "last_of_step": True,
+            },
+            1,
+        ),
+        (
+            2,
+            {
+                "microbatches_per_round": 2,
+                "double_buffer": "first",
+                "plan": "auto",
+                "profile_steps": 1,
+                "last_of_step": True,
+            },
+            2,
+        ),
     ],
 )
 def test_weights_equal_a_staleness_one_reference(workers, kwargs, per_step):
@@ -160,12 +188,16 @@ def _jitter(monkeypatch, seed: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("double_buffer, plan", [(False, "2,2,1|2,1,2,2"), (True, "2,2,1|2,1,2,2"), ("first", "auto")])
-def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer, plan):
+@pytest.mark.parametrize(
+    "double_buffer, plan, last_of_step",
+    [(False, "2,2,1|2,1,2,2", False), (True, "2,2,1|2,1,2,2", False), ("first", "auto", False),
+     (False, "2,2,1|2,1,2,2", True), ("first", "auto", True)],
+)  # fmt: skip
+def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer, plan, last_of_step):
     model = mlp()
     data = batches(6, 2)
     kwargs = {"microbatches_per_round": 3, "num_rounds": 2, "plan": plan, "double_buffer": double_buffer,
-              "profile_steps": 1}  # fmt: skip
+              "profile_steps": 1, "last_of_step": last_of_step}  # fmt: skip
     calm, _ = run_async(copy.deepcopy(model), data, 3, clip=0.5, **kwargs)
     for seed in (1, 2):
         with monkeypatch.context() as m:
@@ -383,3 +415,85 @@ def test_first_stage_spares_grow_only_before_a_steps_first_batch(monkeypatch):
         engine.close()
     assert grown_at == [(2, 0)]
     assert relative_error(torch.cat([p.detach().flatten() for p in model.parameters()]), want) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("last_of_step", [False, True])
+def test_announced_last_batch_lets_casts_run_during_the_next_step(monkeypatch, last_of_step):
+    """One worker, everything in one fused slot: every weight is uploaded at the start of a step. With
+    one compute copy update t's cast must wait until step t+1 will upload nothing more; announced,
+    that is known when its batch is submitted and the cast lands inside step t+1, otherwise only
+    after the step's `submit_step`, on the critical path to step t+2."""
+    run = executor_module.StageExecutor._run
+    monkeypatch.setattr(executor_module.StageExecutor, "_run", lambda self, *a: (time.sleep(0.02), run(self, *a))[1])
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", 0)], microbatches_per_round=2, asynchronous=True,
+        plan=StagePlan.parse("|7"),
+    )  # fmt: skip
+    trace = engine.record_trace()
+    opt = make_optimizer(model.parameters())
+    returned = {}
+    try:
+        for t, [(x, y)] in enumerate(batches(4)):
+            engine.train_batch(x, y, F.mse_loss, last_of_step=last_of_step)
+            returned[t] = time.perf_counter()
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    for t in range(2):
+        casts = [e[3] for e in trace if e[0] == "cast" and e[1] == t]
+        assert casts
+        if last_of_step:
+            assert max(casts) < returned[t + 1], f"update {t} was cast only after step {t + 1} ended"
+        else:
+            assert min(casts) > returned[t + 1], f"update {t} was cast before step {t + 1} was submitted"
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_after_the_announced_last_is_refused_before_it_runs():
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
+        asynchronous=True,
+    )  # fmt: skip
+    opt = make_optimizer(model.parameters())
+    [[(x, y)], [(x2, y2)]] = batches(2)
+    try:
+        engine.train_batch(x, y, F.mse_loss, last_of_step=True)
+        with pytest.raises(RuntimeError, match="after the batch promised to be its last"):
+            engine.train_batch(x2, y2, F.mse_loss)
+        engine.submit_step(UpdateSpec.capture(opt))  # the engine goes on: the refused batch never ran
+        engine.train_batch(x2, y2, F.mse_loss, last_of_step=True)
+        engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    reference = staleness_one_reference(mlp(), [[(x, y)], [(x2, y2)]])
+    assert relative_error(torch.cat([p.detach().flatten() for p in model.parameters()]), reference) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("last_of_step", [False, True])
+def test_a_late_upload_of_an_earlier_slot_holds_back_the_cast(monkeypatch, last_of_step):
+    """Slots prefetch their weights, so a later slot's upload of a layer (its backward stage) can come
+    before an earlier slot's (its forward stage, on another worker). Delay the forward stage's last
+    upload part: the cast of the previous update must still wait for it, or the forward would compute
+    with weights one update too new."""
+    load = executor_module.StageExecutor._load
+
+    def late(self, stage, action, flight):
+        if flight.step >= 1 and action.round == 1 and action.slot == 2 and action.is_last_part:
+            time.sleep(0.2)
+        return load(self, stage, action, flight)
+
+    monkeypatch.setattr(executor_module.StageExecutor, "_load", late)
+    model = mlp()
+    data = batches(4, 2)
+    want = staleness_one_reference(model, data)
+    got, _ = run_async(
+        copy.deepcopy(model), data, 3, microbatches_per_round=3, num_rounds=2,
+        plan=StagePlan.parse("2,2,1|2,1,2,2"), last_of_step=last_of_step,
+    )  # fmt: skip
+    assert relative_error(got, want) <= 1e-5

@@ -379,10 +379,24 @@ class PipelineEngine:
         loss_fn: Callable[[Any, Any], Tensor],
         reduction: Reduction = "mean",
         grad_scale: float = 1.0,
+        last_of_step: bool = False,
     ) -> Tensor:
         """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
-        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch."""
+        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch.
+
+        ``last_of_step`` (asynchronous mode): the caller promises that no further batch joins this
+        optimizer step before :meth:`submit_step`. The step's batches are then known at once, and the
+        previous update may be cast into each weight this step no longer uploads, during the step,
+        instead of after it (edge 1 of :mod:`~lightning_roundpipe.runtime.optimizer_worker`). With one
+        compute copy and a plan whose uploads all come early (one worker) that takes the cast off the
+        critical path between steps. A batch after a promised last one is refused before it runs."""
         self._check_usable()
+        if self.asynchronous and self._windows[self.step].closed.is_set():
+            raise RuntimeError(
+                f"a batch arrived for optimizer step {self.step} after the batch promised to be its last"
+                " (train_batch(last_of_step=True)); call submit_step first, or pass last_of_step only on a"
+                " step's last batch"
+            )
         how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
         mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction)
@@ -420,7 +434,10 @@ class PipelineEngine:
         self.dispatch_position = schedule.next_first_worker
         self.calls += 1
         if self.asynchronous:
-            self._windows[self.step].flights.append(flight)
+            window = self._windows[self.step]
+            window.flights.append(flight)
+            if last_of_step:
+                window.closed.set()  # after the append: the optimizer thread reads the complete list
             try:
                 loss = flight.wait_losses()
             except PipelineAborted:

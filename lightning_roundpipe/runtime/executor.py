@@ -238,9 +238,8 @@ class StageExecutor:
             loaded.ready = dev.record(dev.param_up)
             if flight.record and key == (0, 0):
                 flight.first_upload.append(dev.timer(dev.param_up))
-            for g in self._trainable[stage.slot]:
-                if flight.last_upload.get(g) == key:  # edge 1: after this copy, the cast may overwrite
-                    flight.mark_uploaded(g, loaded.ready)
+            for g in self._trainable[stage.slot]:  # edge 1: after the flight's last, the cast may overwrite
+                flight.mark_uploaded(g, loaded.ready)
 
     def _slot_tensors(self, stage: Stage, action: Action, gradients: bool = True) -> dict[int, dict[str, Tensor]]:
         """The slot's named device tensors per layer, with the compute stream ordered after their upload.

@@ -110,13 +110,17 @@ class Flight:
                 fresh_grads.difference_update(groups)
                 for g in groups:
                     grad_chain[g] = done
-        self.last_upload: dict[int, tuple[int, int]] = {}
-        """Per trainable group, the (round, slot) of its last upload in this flight."""
-        for rnd in range(schedule.num_rounds):
+        uploads: dict[int, int] = {}
+        for _ in range(schedule.num_rounds):
             for stage in schedule.stages():
                 for g in groups_of_slot(stage.slot):
-                    self.last_upload[g] = (rnd, stage.slot)
-        self._uploaded = {g: (self.gate(), []) for g in self.last_upload}
+                    uploads[g] = uploads.get(g, 0) + 1
+        self._uploaded: dict[int, tuple[Gate, list[Any], list[int]]] = {
+            g: (self.gate(), [], [n]) for g, n in uploads.items()
+        }
+        """Per trainable group: open once every upload of it in this flight was issued, their events,
+        and how many are still to come. Counted, not "the last in schedule order": slots prefetch their
+        weights, so a later slot's upload on one worker can come before an earlier slot's on another."""
 
     def gate(self) -> Gate:
         """A gate that an abort of this flight opens."""
@@ -154,16 +158,21 @@ class Flight:
             self.pool.release(parcel, events)
 
     def mark_uploaded(self, group: int, event: Any) -> None:
-        """This flight's last upload of ``group`` was issued; it is done once ``event`` completes (edge 1)."""
-        gate, events = self._uploaded[group]
-        events.append(event)
-        gate.set()
+        """One of this flight's uploads of ``group`` was issued; it is done once ``event`` completes.
+        After the last of them the cast of the next update may overwrite the copy (edge 1)."""
+        gate, events, remaining = self._uploaded[group]
+        with self._lock:
+            events.append(event)
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            gate.set()
 
     def wait_uploaded(self, group: int) -> None:
         """Wait until this flight no longer reads ``group``'s compute copy (or never will)."""
         if group not in self._uploaded:
             return
-        gate, events = self._uploaded[group]
+        gate, events, _ = self._uploaded[group]
         gate.wait()
         for event in events:
             if event is not None:
