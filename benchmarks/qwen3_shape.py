@@ -143,15 +143,26 @@ def init(model: nn.Sequential, seed: int = 0) -> nn.Sequential:
 
 
 @torch.no_grad()
-def init_hf(model: nn.Module, config: object, seed: int = 0) -> nn.Module:
+def init_hf(model: nn.Module, config: object, seed: int = 0, tile: int | None = None) -> nn.Module:
     """Random weights for a Hugging Face model built on the meta device and moved with ``to_empty``:
-    normal (std 0.02), ones for norms, and the rotary tables taken from a freshly built rotary module."""
+    normal (std 0.02), ones for norms, and the rotary tables taken from a freshly built rotary module.
+
+    ``tile``: parameters of more elements are filled by repeating one random block of ``tile``
+    elements. The host draws normal numbers at about 0.2 G/s, a copy runs at memory speed: 30 B
+    parameters take minutes one way and seconds the other. For throughput and memory runs, where
+    the values do not matter (routers and small tensors still get their own draws)."""
     g = torch.Generator().manual_seed(seed)
+    block = None if tile is None else torch.empty(tile).normal_(0.0, 0.02, generator=g)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
-        else:
+        elif block is None or p.numel() <= block.numel():
             p.normal_(0.0, 0.02, generator=g)
+        else:
+            flat, piece = p.view(-1), block.to(p.dtype)
+            for start in range(0, flat.numel(), piece.numel()):
+                stop = min(flat.numel(), start + piece.numel())
+                flat[start:stop].copy_(piece[: stop - start])
     for module in model.modules():
         if hasattr(module, "inv_freq"):
             fresh = type(module)(config=config)
