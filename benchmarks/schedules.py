@@ -5,7 +5,8 @@ profiling (one layer per stage, micro-batches of 4 x 2048 tokens, bf16), for the
 an 8-layer slice of a Llama-3.1-8B shape, then simulates 8 GPUs x 16 micro-batches for GPipe, 1F1B,
 interleaved 1F1B, looped BFS (2 chunks per GPU) and RoundPipe synchronous/asynchronous with the
 partitioner's plan. Prints a table (total, imbalance, structural bubble), writes JSON and a bar chart.
-``--device cpu --model debug`` is a smoke test.
+``--device cpu --model debug`` is a smoke test; ``--costs`` simulates the costs of an earlier run again
+(after a change to the partitioner or the simulator; no GPU needed).
 
     python benchmarks/schedules.py --out benchmarks/results/schedules
 """
@@ -86,14 +87,21 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--costs", default=None, help="a JSON this script wrote: simulate its measured costs again")
     p.add_argument("--out", default=None, help="path prefix for .json and .png")
     args = p.parse_args()
-    if args.device == "cuda":
+    recorded = json.loads(Path(args.costs).read_text())["results"] if args.costs else None
+    if args.device == "cuda" and recorded is None:
         torch.cuda.set_device(0)
 
     results: dict[str, Any] = {}
     for name in args.models.split(","):
-        measured = measure(name, args)
+        if recorded is not None:  # the same measurements through today's partitioner and simulator
+            from lightning_roundpipe.schedule.partition import LayerCosts
+
+            measured = LayerCosts(**{k: tuple(v) for k, v in recorded[name]["costs"].items()})
+        else:
+            measured = measure(name, args)
         assert measured is not None
         simulated_layers = SLICES[name][1]
         costs = widen(measured, simulated_layers) if simulated_layers else measured
@@ -120,8 +128,10 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "python benchmarks/schedules.py " + " ".join(sys.argv[1:])
-        device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+        device = torch.cuda.get_device_name(0) if args.device == "cuda" and recorded is None else "cpu"
         meta = {"date": time.strftime("%Y-%m-%d"), "command": command, "device": device}
+        if args.costs:
+            meta["costs_measured_by"] = json.loads(Path(args.costs).read_text())["meta"]
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         try:
             import matplotlib
