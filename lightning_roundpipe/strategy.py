@@ -495,11 +495,14 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
     def _last_of_step(self) -> bool:
         """Whether Lightning steps the optimizer after this batch (automatic optimisation, asked of its
         training loop; one pipeline call per ``training_step`` is enforced above). ``False`` when it
-        cannot tell: the engine then learns the step's batches at ``optimizer_step``, a little later."""
+        cannot tell, or when the module's own ``optimizer_step`` decides: the engine then learns the
+        step's batches at ``optimizer_step``, a little later."""
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         if not self.async_optimizer or not self.lightning_module.automatic_optimization:
             return False
+        if _is_overridden("optimizer_step", self.lightning_module):
+            return False  # it may run the closure alone and skip the step (Lightning documents that)
         try:
             return not trainer.fit_loop.epoch_loop._should_accumulate()
         except AttributeError:  # a Lightning without this loop method

@@ -7,10 +7,11 @@ import random
 import threading
 import time
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import relative_error
+from helpers import BoringPipeline, fit, relative_error
 from torch import nn
 
 from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
@@ -497,3 +498,78 @@ def test_a_late_upload_of_an_earlier_slot_holds_back_the_cast(monkeypatch, last_
         plan=StagePlan.parse("2,2,1|2,1,2,2"), last_of_step=last_of_step,
     )  # fmt: skip
     assert relative_error(got, want) <= 1e-5
+
+
+class _SkipEveryOtherStep(BoringPipeline):
+    """Lightning's documented pattern: the closure alone on odd batches, a step on even ones."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if (batch_idx + 1) % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+@pytest.mark.timeout(120)
+def test_a_modules_own_optimizer_step_may_skip_steps_under_the_async_optimizer():
+    """Lightning's loop cannot tell then which batch ends a step, so the strategy does not announce it
+    (announcing it closed the step and refused the next batch)."""
+    from lightning_roundpipe import RoundPipeStrategy
+
+    L.seed_everything(1, verbose=False)
+    start = [p.detach().clone() for p in _SkipEveryOtherStep().parameters()]
+    module = fit(_SkipEveryOtherStep, {"accelerator": "cpu", "devices": 2, "strategy": RoundPipeStrategy()})
+    assert all(not torch.equal(a, b) for a, b in zip(start, module.parameters()))
+
+
+def _announced_engine(workers: int = 2) -> tuple[PipelineEngine, nn.Module, torch.optim.Optimizer]:
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(workers)], microbatches_per_round=2,
+        asynchronous=True,
+    )  # fmt: skip
+    return engine, model, make_optimizer(model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_between_an_announced_last_batch_and_its_update_keeps_the_cast(monkeypatch):
+    """The previous update's casts are under way once a step's last batch is announced; evaluation
+    in that gap sets the copies aside and puts them back, which must not undo a cast that lands
+    meanwhile (the next step would train without that update)."""
+    cast = optimizer_module.OptimizerWorker._cast
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (time.sleep(0.02), cast(self, *a)))
+    data = batches(4)
+    engine, model, opt = _announced_engine()
+    try:
+        for t, [(x, y)] in enumerate(data):
+            engine.train_batch(x, y, F.mse_loss, last_of_step=True)
+            if t == 2:
+                engine.begin_evaluation()
+                engine.evaluate(x, y, F.mse_loss)
+                time.sleep(0.3)  # the casts under way land while the copies are set aside
+                engine.end_evaluation()
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert relative_error(got, staleness_one_reference(mlp(), data)) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_state_saved_after_an_announced_last_batch_holds_whole_casts(monkeypatch):
+    """An exception checkpoint in that gap (e.g. after a non-finite loss) waits for the casts under way:
+    every saved copy holds the previous update completely, none is half-written."""
+    cast = optimizer_module.OptimizerWorker._cast
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (time.sleep(0.05), cast(self, *a)))
+    engine, _, opt = _announced_engine()
+    try:
+        for t, [(x, y)] in enumerate(batches(3)):
+            engine.train_batch(x, y, F.mse_loss, last_of_step=True)
+            if t < 2:
+                engine.submit_step(UpdateSpec.capture(opt))
+        state = engine.state_dict()
+        for g, saved in state["compute"].items():
+            assert torch.equal(saved, engine.store.groups[g].data.to(saved.dtype)), g
+    finally:
+        engine.close()

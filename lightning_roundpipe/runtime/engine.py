@@ -501,9 +501,11 @@ class PipelineEngine:
         """
         self._check_usable()
         self.flush()
+        self._returned = None  # the host's turn between batches must not count this pass
         if not self.asynchronous:
             self.store.sync_compute()
             return
+        self._settle_early_casts()
         if self._evaluation_stash is None:
             pending = self._cast_done.get(self.step - 1, {})
             self._evaluation_stash = {g: self.store.reads(g, self.step).clone() for g in pending}
@@ -663,6 +665,7 @@ class PipelineEngine:
         and, in the asynchronous mode, the compute copies: the masters already hold the last submitted
         update, but the next batch must compute on the weights without it (staleness 1)."""
         self.flush()
+        self._settle_early_casts()
         state: dict[str, Any] = {
             "calls": self.calls,
             "step": self.step,
@@ -677,6 +680,19 @@ class PipelineEngine:
                 g: (stash[g] if g in stash else self.store.reads(g, self.step)).clone() for g in self._trainable
             }
         return state
+
+    def _settle_early_casts(self) -> None:
+        """After a batch announced as its step's last and before :meth:`submit_step` (an exception
+        checkpoint, say), the previous update's casts are already under way: let them land, so that
+        nothing reads or sets aside a half-written copy. The copies then hold that update, one update
+        ahead of what a step boundary would save (a run resumed from here computes its first step on
+        the newest weights)."""
+        if self.asynchronous and self._windows[self.step].closed.is_set():
+            try:
+                for gate in self._cast_done.get(self.step - 1, {}).values():
+                    gate.wait()
+            except PipelineAborted:
+                self._fail()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where :meth:`state_dict` left off; call on a new engine, before its first batch,
