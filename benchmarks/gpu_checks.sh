@@ -4,7 +4,8 @@
 # pick the steps that fit, e.g.
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
-# Steps: tests soak bubble bubble-all bubble-all-db(f) pcie scaling-1.7b scaling-1.7b-db(f) scaling-1.7b-mb4 scaling-4b
+# Steps: tests soak bubble bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
+#        scaling-1.7b-mb4 scaling-4b
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 set -u
 OUT=${OUT:-gpu-out}
@@ -28,11 +29,11 @@ for step in "${steps[@]}"; do
   case $step in
     tests) run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py ;;
     soak) run soak 420 python benchmarks/soak.py --out "$OUT/soak.json" ;;
-    bubble) run bubble 150 python benchmarks/bubble_check.py --out "$OUT/bubble.json" ;;
-    bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" \
+    bubble) run bubble 150 python benchmarks/bubble_check.py --steps 20 --out "$OUT/bubble.json" ;;
+    bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" --steps 20 \
       --timeline "$OUT/timeline-all.json" --out "$OUT/bubble-all.json" ;;
     bubble-all-db|bubble-all-dbf) buffering=$([ "$step" = bubble-all-db ] && echo all || echo first)
-      run "$step" 150 python benchmarks/bubble_check.py --devices "$GPUS" --double-buffer "$buffering" \
+      run "$step" 150 python benchmarks/bubble_check.py --devices "$GPUS" --steps 20 --double-buffer "$buffering" \
       --timeline "$OUT/timeline-$step.json" --out "$OUT/$step.json" ;;
     scaling-1.7b-db|scaling-1.7b-dbf) buffering=$([ "$step" = scaling-1.7b-db ] && echo all || echo first)
       run "$step" 300 python benchmarks/scaling.py --models qwen3-1.7b --double-buffer "$buffering" \
@@ -40,6 +41,9 @@ for step in "${steps[@]}"; do
     oom-snapshot) run oom-snapshot 150 python benchmarks/baselines.py --run roundpipe --workers "$GPUS" --seqs "$GPUS" \
       --micro-batch 1 --seq-len 32768 --warmup 3 --steps 1 --gpu-gib 8 --memory-snapshot "$OUT/oom.pickle"
       cat "$OUT/oom.txt" 2>/dev/null ;;
+    moe) run moe-lora 480 python benchmarks/moe_lora.py --out "$OUT/moe-lora.json" ;;
+    throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
+      --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \
