@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Any
 
 
-def run_configs(script: str, configs: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run ``script --run CONFIG --key value ...`` for each config; each prints one ``RESULT {json}`` line."""
+def run_configs(
+    script: str, configs: list[str], shared: dict[str, Any], timeout: float | None = None
+) -> list[dict[str, Any]]:
+    """Run ``script --run CONFIG --key value ...`` for each config; each prints one ``RESULT {json}`` line.
+    ``timeout`` (seconds per config): a config that hangs is recorded as failed with its last output,
+    and the others still run."""
     results = []
     for config in configs:
         cmd = [sys.executable, script, "--run", config]
@@ -23,7 +27,17 @@ def run_configs(script: str, configs: list[str], shared: dict[str, Any]) -> list
             elif value is not None:
                 cmd += [flag, str(value)]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as expired:
+            tail = expired.stderr or b""
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            why = f"timed out after {timeout} s\n{tail[-3000:]}"
+            results.append({"config": config, "error": why, "returncode": None})
+            print(f"{config}: {why}", flush=True)
+            continue
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             results.append({"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode})

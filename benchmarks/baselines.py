@@ -82,14 +82,20 @@ class Model(L.LightningModule):
         x = layers[0]((tokens, labels))
         for block in layers[1:-1]:
             x = checkpoint(block, x, use_reentrant=False)
-        return layers[-1](x)
+        loss = layers[-1](x)
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            # Lightning divides the loss by the accumulation steps and DeepSpeed's backward does again
+            loss = loss * self.trainer.accumulate_grad_batches
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "deepspeed-cpu-adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(self.parameters(), lr=1e-5)
-        return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+            return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, weight_decay=0.01, adamw_mode=True)
+        return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
 
 
 class Clock(L.Callback):
@@ -136,7 +142,15 @@ class Clock(L.Callback):
                            "workers": engine.num_workers}  # fmt: skip
 
 
-def strategy_for(config: str, accumulate: int, double_buffer: str = "none", gpu_memory: float = 0.8) -> tuple[Any, str]:
+def strategy_for(
+    config: str,
+    accumulate: int,
+    double_buffer: str = "none",
+    gpu_memory: float = 0.8,
+    micro_batch: int = 1,
+    capped: bool = False,
+) -> tuple[Any, str]:
+    """The Lightning strategy and optimizer of ``config``; ``capped``: the card is capped (``--gpu-gib``)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if config == "plain":
@@ -153,9 +167,12 @@ def strategy_for(config: str, accumulate: int, double_buffer: str = "none", gpu_
             mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.float32),  # fp32 rotary tables
         )  # fmt: skip
         return strategy, "fused-adamw"
+    # large buckets are DeepSpeed's fast setting on a full card; under a memory cap they cost it memory
+    bucket = int(2e8) if capped else int(5e8)
     common = dict(
-        pin_memory=True, allgather_bucket_size=int(5e8), reduce_bucket_size=int(5e8), logging_batch_size_per_gpu=1
-    )
+        pin_memory=True, allgather_bucket_size=bucket, reduce_bucket_size=bucket,
+        logging_batch_size_per_gpu=micro_batch,
+    )  # fmt: skip
     if config == "zero3-offload":
         return DeepSpeedStrategy(
             stage=3, offload_optimizer=True, offload_parameters=True, **common
@@ -178,8 +195,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
         record_until_out_of_memory(args.memory_snapshot)
     roundpipe = args.run == "roundpipe"
+    if args.seqs % args.micro_batch:
+        raise SystemExit(f"--seqs {args.seqs} is not a multiple of --micro-batch {args.micro_batch}")
     accumulate = max(1, args.seqs // args.micro_batch)
-    strategy, optimizer = strategy_for(args.run, accumulate, args.double_buffer, args.gpu_memory)
+    strategy, optimizer = strategy_for(
+        args.run, accumulate, args.double_buffer, args.gpu_memory, args.micro_batch, capped=bool(args.gpu_gib)
+    )
     L.seed_everything(0, verbose=False)
     module = Model(shape, optimizer)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
@@ -295,6 +316,7 @@ def main() -> None:
     p.add_argument("--seq-cap", type=int, default=262144)
     p.add_argument("--seq-step", type=int, default=1024)
     p.add_argument("--probe-timeout", type=int, default=300)
+    p.add_argument("--config-timeout", type=int, default=0, help="seconds per configuration (0: no limit)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.run:
@@ -310,7 +332,7 @@ def main() -> None:
     shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out", "max_seq")}
     results = []
     for config in args.configs.split(","):  # written after each one: a killed command keeps what finished
-        results += run_configs(__file__, [config], shared)
+        results += run_configs(__file__, [config], shared, timeout=args.config_timeout or None)
         print("RESULT " + json.dumps(results[-1]), flush=True)
         write(args.out, sys.argv[1:], __file__, results)
     by = {r["config"]: r for r in results if "error" not in r}

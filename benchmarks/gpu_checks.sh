@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
 # Steps: tests soak bubble bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
-#        scaling-1.7b-mb4 scaling-4b
+#        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 set -u
 OUT=${OUT:-gpu-out}
@@ -44,6 +44,20 @@ for step in "${steps[@]}"; do
     moe) run moe-lora 480 python benchmarks/moe_lora.py --out "$OUT/moe-lora.json" ;;
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
+    ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background
+      python -c "import deepspeed" 2>/dev/null || python -m pip install -q --no-deps --no-index \
+        $(ls wheels/*.whl | grep -v typing_extensions) > "$OUT/ds-setup.log" 2>&1
+      rm -f ~/.cache/torch_extensions/*/cpu_adam/lock  # a build killed earlier would block every later one
+      CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} python -c \
+        "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load(); print('cpu_adam built')" \
+        >> "$OUT/ds-setup.log" 2>&1 &
+      DS_BUILD=$! ;;
+    baselines-1.7b)  # the 1.7B matrix in one call (about 8 minutes); the 4B one needs two calls
+      run baselines-1.7b-a 260 python benchmarks/baselines.py --configs plain,roundpipe,fsdp-offload \
+        --config-timeout 120 --out "$OUT/baselines-1.7b-a.json"
+      [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"; tail -n 3 "$OUT/ds-setup.log"
+      run baselines-1.7b-b 320 python benchmarks/baselines.py --configs zero2-offload,zero3-offload \
+        --config-timeout 200 --out "$OUT/baselines-1.7b-b.json" ;;
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \

@@ -51,3 +51,22 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     assert written["meta"]["command"].startswith(f"python benchmarks/{script}.py")
     results = written["results"] if "results" in written else written["result"]
     assert not failed_configurations(results), results
+
+
+@pytest.mark.timeout(60)
+def test_a_configuration_that_hangs_is_recorded_and_the_next_still_runs(tmp_path):
+    """A hanging baseline must not take a whole GPU call: the driver's per-config time limit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _driver import run_configs
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import sys, time, json\n"
+        "config = sys.argv[sys.argv.index('--run') + 1]\n"
+        "print('about to hang', file=sys.stderr, flush=True)\n"
+        "if config == 'hangs':\n    time.sleep(60)\n"
+        "print('RESULT ' + json.dumps({'tokens_per_s': 1.0}), flush=True)\n"
+    )
+    hung, fine = run_configs(str(script), ["hangs", "fine"], {}, timeout=3)
+    assert hung["config"] == "hangs" and "timed out after 3 s" in hung["error"]
+    assert fine["config"] == "fine" and fine["tokens_per_s"] == 1.0
