@@ -41,6 +41,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,10 @@ class Clock(L.Callback):
         self.drained = time.perf_counter()
         if engine is not None and self.moved:
             self.moved[-1] = engine.transferred_bytes()
+            costs = None if engine.layer_costs is None else asdict(engine.layer_costs)
             self.engine = {"plan": str(engine.plan), "predicted_bubble": engine.predicted_bubble,
-                           "workers": engine.num_workers}  # fmt: skip
+                           "workers": engine.num_workers, "handoff_s": engine.handoff,
+                           "layer_costs": costs}  # fmt: skip  # what the plan was made from
 
 
 def strategy_for(
