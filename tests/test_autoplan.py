@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import pytest
@@ -63,8 +64,9 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact():
             engine.store.clear_grads()
         costs = engine.layer_costs
         assert costs is not None and engine.plan != LayerProfile.plan(8)
-        assert costs.forward[4] > 5 * max(costs.forward[i] for i in range(8) if i != 4)
-        assert costs.backward[4] > 5 * max(costs.backward[i] for i in range(8) if i != 4)
+        # against the median of the others: on 2 busy cores one fast layer's sample can catch a stall
+        assert costs.forward[4] > 5 * statistics.median(costs.forward[i] for i in range(8) if i != 4)
+        assert costs.backward[4] > 5 * statistics.median(costs.backward[i] for i in range(8) if i != 4)
         # the plan is the partitioner's answer for the measured costs (its optimality is tested elsewhere)
         from lightning_roundpipe.schedule.partition import partition
 
