@@ -151,7 +151,8 @@ class PipelineEngine:
         the simulator charges it: the host's turn between two batches (from :meth:`train_batch`
         returning to its next call), the first slot's wait for the casts of its weights (one compute
         copy: the cast of update ``k - 1`` waits for step ``k``'s last read) and the upload of its
-        weights (medians of recent measured batches)."""
+        weights (medians of recent measured batches; updated, and the prediction with it, when it
+        moves by more than 5%)."""
         self._returned: float | None = None
         self._turns: deque[float] = deque(maxlen=5)
         self._first_uploads: deque[float] = deque(maxlen=5)
@@ -320,8 +321,11 @@ class PipelineEngine:
         if len(flight.first_upload) == 2 and flight.schedule.plan == self.plan:
             self._first_uploads.append(flight.cast_wait + WorkerDevice.elapsed(*flight.first_upload))
             if self._turns:
-                self.handoff = median(self._turns) + median(self._first_uploads)
-                self._predict()
+                handoff = median(self._turns) + median(self._first_uploads)
+                # simulating takes milliseconds on the main thread before a dispatch: only for a change
+                if self.handoff is None or abs(handoff - self.handoff) > 0.05 * self.handoff:
+                    self.handoff = handoff
+                    self._predict()
         if self.last_timeline:
             span = max(row[3] for row in self.last_timeline) - min(row[2] for row in self.last_timeline)
             if span > 0:
