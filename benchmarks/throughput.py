@@ -10,6 +10,8 @@ model with Qwen3's shapes (``benchmarks/qwen3_shape.py``), bf16, the chunked LM-
   prefetch, or no overlap (the ablation of paper Figure 18).
 - ``roundpipe-4b-24gb``: a Qwen3-4B-shaped full fine-tune (host AdamW) on an emulated 24 GB card.
 
+``--device cpu --model debug`` is a smoke test (CPU worker threads; no memory numbers).
+
     python benchmarks/throughput.py --out benchmarks/results/throughput.json
 """
 
@@ -79,16 +81,31 @@ def default_plan(num_layers: int, fused_blocks: int) -> str:
     return ",".join(map(str, forward)) + "|" + ",".join(map(str, [fused] + [1] * rest))
 
 
+def _sync(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(args: argparse.Namespace) -> float:
+    return torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else 0.0
+
+
 def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     from torch.utils.checkpoint import checkpoint
 
-    torch.cuda.set_device(0)
-    with torch.device("cuda"):
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    with torch.device(args.device):
         model = init(build(shape))
     layers = list(model.children())
 
     def forward(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             x = layers[0]((tokens, labels))
             for block in layers[1:-1]:
                 x = checkpoint(block, x, use_reentrant=False)
@@ -98,16 +115,16 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     fwd_bwd, opt_times = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            torch.cuda.reset_peak_memory_stats()
-        tokens, labels = batch(shape, args.seqs, args.seq_len, step, "cuda")
-        torch.cuda.synchronize()
+            _reset_peak(args)
+        tokens, labels = batch(shape, args.seqs, args.seq_len, step, args.device)
+        _sync(args)
         t0 = time.perf_counter()
         forward(tokens, labels).backward()
-        torch.cuda.synchronize()
+        _sync(args)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync(args)
         if step >= args.warmup:
             fwd_bwd.append(t1 - t0)
             opt_times.append(time.perf_counter() - t1)
@@ -115,7 +132,7 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     if args.profile:
 
         def one() -> None:
-            tokens, labels = batch(shape, args.seqs, args.seq_len, 999, "cuda")
+            tokens, labels = batch(shape, args.seqs, args.seq_len, 999, args.device)
             forward(tokens, labels).backward()
             opt.zero_grad(set_to_none=True)
 
@@ -124,7 +141,7 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         **profiled,
         "fwd_bwd_s": fwd_bwd,
         "optimizer_s": opt_times,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
+        "peak_gpu_gib": _peak_gib(args),
         "parameters": num_parameters(model),
         "host_rss_gib": psutil.Process().memory_info().rss / GiB,
         "recompute": True,
@@ -132,12 +149,13 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
 
 
 def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimizer_steps: int) -> dict[str, Any]:
-    from lightning_roundpipe.runtime import PipelineEngine
+    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
     from lightning_roundpipe.schedule import StagePlan
 
-    torch.cuda.set_device(0)
-    if args.gpu_gib:
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    if args.gpu_gib and args.device == "cuda":
         torch.cuda.set_per_process_memory_fraction(
             args.gpu_gib * GiB / torch.cuda.get_device_properties(0).total_memory
         )
@@ -150,7 +168,7 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
     assert args.seqs % args.micro_batch == 0, "--seqs must be a multiple of --micro-batch"
     engine = PipelineEngine(
         list(model.children()),
-        [CudaWorkerDevice("cuda:0", 0)],
+        [CudaWorkerDevice("cuda:0", 0) if args.device == "cuda" else WorkerDevice("cpu", 0)],
         plan=plan,
         microbatches_per_round=args.seqs // args.micro_batch,
         compute_dtype=torch.bfloat16,
@@ -174,7 +192,7 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
         fwd_bwd = []
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
-                torch.cuda.reset_peak_memory_stats()
+                _reset_peak(args)
                 up0, down0 = engine.transferred_bytes()
             elapsed = step(i)
             if i >= args.warmup:
@@ -184,7 +202,7 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
         timed = sum(fwd_bwd)
         result: dict[str, Any] = {
             "fwd_bwd_s": fwd_bwd,
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB,
+            "peak_gpu_gib": _peak_gib(args),
             "parameters": params,
             "plan": str(plan),
             "microbatches": args.seqs // args.micro_batch,
@@ -256,6 +274,7 @@ def main() -> None:
     )
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of the script")
     p.add_argument("--seqs", type=int, default=32, help="sequences per step")
     p.add_argument("--seqs-4b", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -292,7 +311,7 @@ def main() -> None:
             continue
         same_model = plain is not None and r["model"] == plain["model"]
         ratio = r["tokens_per_s"] / plain["tokens_per_s"] if same_model else float("nan")
-        mem = r["peak_gpu_gib"] / plain["peak_gpu_gib"] if same_model else float("nan")
+        mem = r["peak_gpu_gib"] / plain["peak_gpu_gib"] if same_model and plain["peak_gpu_gib"] else float("nan")
         r["ratio_to_plain"], r["gpu_memory_ratio_to_plain"] = ratio, mem
         print(
             f"{r['config'][:22]:22} {r['tokens_per_s']:8.0f} {ratio:6.3f} {r['model_tflops']:8.1f}"

@@ -27,6 +27,9 @@ SMOKE = {
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
                           "2", "--warmup", "1", *TINY],
     "schedules": ["--device", "cpu", "--model", "debug"],
+    "throughput": ["--device", "cpu", "--model", "debug", "--configs", "plain,roundpipe-priority,roundpipe-none",
+                   "--seqs", "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--fused-blocks", "1",
+                   *TINY],
     "soak": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--microbatches", "2", "--steps", "20",
              "--settle", "5", *TINY],
 }  # fmt: skip
