@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument(
         "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
     )
+    p.add_argument("--settle", type=int, default=None, help="measured steps left out of the mean (default: half)")
     p.add_argument("--timeline", default=None, help="write the last measured step here (Chrome trace + PNG)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -156,14 +157,18 @@ def main() -> None:
     step_s = (last[-1] - last[0]) / (len(last) - 1)
     tokens_per_s = args.seqs * args.seq_len / step_s
     print(f"last {len(last) - 1} steps: {step_s:.3f} s/step, {tokens_per_s:.0f} tokens/s")
-    gap = in_step_gap = None
+    gap = in_step_gap = worst = None
+    tail = []
     if steps:
-        # the step time is averaged over 4 steps: the first 3 on a new plan still include profiling steps
-        tail = steps[3:] or steps
+        # the step time is averaged over 4 steps, so the first 3 on a new plan still include profiling
+        # steps; the first updates also allocate the optimizer state: judge the second half (at least 3 in)
+        settle = max(3, len(steps) // 2) if args.settle is None else args.settle
+        tail = steps[settle:] or steps
         gap = sum(s["measured"] - s["predicted"] for s in tail) / len(tail)
         in_step_gap = sum(s["in_step"] - s["predicted"] for s in tail) / len(tail)
+        worst = max(abs(s["measured"] - s["predicted"]) for s in tail)
         print(f"mean measured - predicted over the last {len(tail)} steps: {100 * gap:+.1f} pp"
-              f" (inside the step: {100 * in_step_gap:+.1f} pp)")  # fmt: skip
+              f" (inside the step: {100 * in_step_gap:+.1f} pp; largest in one step {100 * worst:.1f} pp)")  # fmt: skip
     if args.out:
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         command = "python benchmarks/bubble_check.py " + " ".join(sys.argv[1:])
@@ -173,6 +178,8 @@ def main() -> None:
             "steps": steps,
             "mean_gap_pp": None if gap is None else 100 * gap,
             "mean_in_step_gap_pp": None if gap is None else 100 * in_step_gap,
+            "largest_step_gap_pp": None if gap is None else 100 * worst,
+            "mean_over_steps": [s["step"] for s in tail] if steps else [],
             "fit_s": wall,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
