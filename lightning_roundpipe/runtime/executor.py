@@ -212,17 +212,17 @@ class StageExecutor:
     def _load(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev = self.device
         key = (action.round, action.slot)
+        handoff = flight.record and key == (0, 0)  # measured for the simulator's handoff between batches
         if action.is_first_part:
-            waiting = time.perf_counter()
+            waiting = time.perf_counter() if handoff else 0.0
             for g in self._trainable[stage.slot]:  # edge 2: the copy this step must read is in place
                 gate = flight.upload_waits.get(g)
                 if gate is not None:
                     gate.wait()
-            if flight.record and key == (0, 0):
-                flight.cast_wait = time.perf_counter() - waiting
             if self.overlap == "none":  # no prefetch: upload only once the device finished computing
                 dev.wait(dev.param_up, dev.record(dev.compute))
-            if flight.record and key == (0, 0):
+            if handoff:
+                flight.cast_wait = time.perf_counter() - waiting
                 flight.first_upload.append(dev.timer(dev.param_up))
             self._loaded[key] = _Loaded(
                 {
@@ -236,7 +236,7 @@ class StageExecutor:
             dev.copy_up(loaded.flats[g][start:stop], source[start:stop], dev.param_up)
         if action.is_last_part:
             loaded.ready = dev.record(dev.param_up)
-            if flight.record and key == (0, 0):
+            if handoff:
                 flight.first_upload.append(dev.timer(dev.param_up))
             for g in self._trainable[stage.slot]:  # edge 1: after the flight's last, the cast may overwrite
                 flight.mark_uploaded(g, loaded.ready)

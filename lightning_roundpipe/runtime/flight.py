@@ -73,6 +73,7 @@ class Flight:
         self._gates: list[Gate] = []
         self.loss_ready = [self.gate() for _ in targets]
         self.upload_waits = upload_waits or {}
+        """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self.record = record
         """Record compute timings: per worker, (action, start, after forward, end, saved bytes) with
         timer points of that worker's device (``after forward`` is ``None`` for forward actions)."""
@@ -83,14 +84,13 @@ class Flight:
         """(action, bytes): a forward's peak, or a recompute and backward's peak beyond what autograd kept
         and the stage's gradients (its transient)."""
         self.references: dict[int, tuple[Any, float]] = {}
+        """Per worker, a timer point and the host clock when its job started (for timelines)."""
         self.cast_wait = 0.0
         """Recorded batches: host seconds the first slot's upload waited for the casts of its weights."""
         self.first_upload: list[Any] = []
         """Recorded batches: timer points before and after the upload of the first slot's weights, on
         the stream that copies them (what the next batch cannot prefetch: see ``handoff`` in
         :func:`~lightning_roundpipe.schedule.simulate.roundpipe`)."""
-        """Per worker, a timer point and the host clock when its job started (for timelines)."""
-        """Per trainable group, the cast the first upload of the group must wait for (edge 2)."""
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
@@ -110,17 +110,16 @@ class Flight:
                 fresh_grads.difference_update(groups)
                 for g in groups:
                     grad_chain[g] = done
-        uploads: dict[int, int] = {}
+        self._uploads_left: dict[int, int] = {}
+        """Per trainable group, how many of this flight's uploads of it are still to be issued. Counted,
+        not "the last in schedule order": slots prefetch their weights, so a later slot's upload on one
+        worker can come before an earlier slot's on another."""
         for _ in range(schedule.num_rounds):
             for stage in schedule.stages():
                 for g in groups_of_slot(stage.slot):
-                    uploads[g] = uploads.get(g, 0) + 1
-        self._uploaded: dict[int, tuple[Gate, list[Any], list[int]]] = {
-            g: (self.gate(), [], [n]) for g, n in uploads.items()
-        }
-        """Per trainable group: open once every upload of it in this flight was issued, their events,
-        and how many are still to come. Counted, not "the last in schedule order": slots prefetch their
-        weights, so a later slot's upload on one worker can come before an earlier slot's on another."""
+                    self._uploads_left[g] = self._uploads_left.get(g, 0) + 1
+        self._uploaded = {g: (self.gate(), []) for g in self._uploads_left}
+        """Per trainable group: open once every upload of it was issued, and their events."""
 
     def gate(self) -> Gate:
         """A gate that an abort of this flight opens."""
@@ -160,11 +159,11 @@ class Flight:
     def mark_uploaded(self, group: int, event: Any) -> None:
         """One of this flight's uploads of ``group`` was issued; it is done once ``event`` completes.
         After the last of them the cast of the next update may overwrite the copy (edge 1)."""
-        gate, events, remaining = self._uploaded[group]
+        gate, events = self._uploaded[group]
         with self._lock:
             events.append(event)
-            remaining[0] -= 1
-            last = remaining[0] == 0
+            self._uploads_left[group] -= 1
+            last = self._uploads_left[group] == 0
         if last:
             gate.set()
 
@@ -172,7 +171,7 @@ class Flight:
         """Wait until this flight no longer reads ``group``'s compute copy (or never will)."""
         if group not in self._uploaded:
             return
-        gate, events, _ = self._uploaded[group]
+        gate, events = self._uploaded[group]
         gate.wait()
         for event in events:
             if event is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from lightning_roundpipe.schedule.dispatch import round_robin
 from lightning_roundpipe.schedule.partition import LayerCosts, stage_times
-from lightning_roundpipe.schedule.plan import StagePlan
+from lightning_roundpipe.schedule.plan import StageKind, StagePlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "roundpipe-sync", "roundpipe-async")
 
@@ -132,7 +132,7 @@ def roundpipe(
     worker, everything fused) shows all of it.
     """
     stages = plan.stages()
-    fused = [s for s, stage in enumerate(stages) if stage.kind.value == "L"]
+    fused = [s for s, stage in enumerate(stages) if stage.kind is StageKind.FUSED]
     times = stage_times(costs, plan) if slot_times is None else list(slot_times)
     mb_per_round = microbatches // rounds
     tasks: list[Task] = []
