@@ -32,8 +32,16 @@ def run_configs(
                 cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout
             )
         except subprocess.TimeoutExpired as expired:
-            tail = expired.stderr or b""
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            out, tail = (
+                t.decode(errors="replace") if isinstance(t, bytes) else t or ""
+                for t in (expired.stdout, expired.stderr)
+            )
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if lines:  # the measurement finished; only the teardown after it ran out of time
+                result = {**json.loads(lines[-1][len("RESULT ") :]), "config": config, "teardown_timed_out": True}
+                results.append({**result, "wall_s": time.perf_counter() - t0})
+                print(f"{config}: measured, then timed out in teardown after {timeout} s", flush=True)
+                continue
             why = f"timed out after {timeout} s\n{tail[-3000:]}"
             results.append({"config": config, "error": why, "returncode": None})
             print(f"{config}: {why}", flush=True)

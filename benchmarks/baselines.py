@@ -10,8 +10,8 @@ step, sequence length ``--seq-len``:
   gradient under accumulation outside ``no_sync``, which Lightning does not use for FSDP: its speed is
   comparable, its training is not the same);
 - ``zero3-offload``: DeepSpeed ZeRO-3 with parameters and optimizer states offloaded (pinned), blocks
-  checkpointed, ``DeepSpeedCPUAdam`` (Lightning and DeepSpeed both divide the loss by the accumulation
-  steps: gradients are 1/accumulation of the true ones; speed is unaffected);
+  checkpointed, ``DeepSpeedCPUAdam`` (the loss is multiplied back by the accumulation steps, which
+  Lightning and DeepSpeed both divide by);
 - ``zero2-offload``: DeepSpeed ZeRO-2 with the optimizer offloaded (ZeRO-Offload), ``DeepSpeedCPUAdam``;
 - ``roundpipe``: ``RoundPipeStrategy`` (automatic plan, asynchronous optimizer), fused AdamW on the host.
 
@@ -21,9 +21,13 @@ the card (``torch.cuda.set_per_process_memory_fraction``). One process per confi
 ``_driver``); a failed configuration is recorded with its error (e.g. out of memory) and the rest go
 on. ``--max-seq CONFIG,...`` instead finds each system's longest sequence at micro-batch 1 (fresh
 process per probe, doubling then bisecting, 2 optimizer steps each; a time limit or another error ends
-the search as inconclusive). Run one configuration per device call: each fits in its 10 minutes, and
-results are written after every configuration. DeepSpeed comes from wheels
-carried to the GPU machine (``pip install wheels/*.whl``); its CPU Adam builds there on first use.
+the search as inconclusive; the partitioner finding no plan counts as GPU memory). Timing starts
+after ``--warmup`` optimizer steps for every system: roundpipe's first two profile one layer per stage,
+and its first steps on the chosen plan carry one-off costs (on one H200, ``bubble_check.py`` saw them
+in the first 1-4 steps after the switch), so the default of 6 keeps both out. Run one configuration
+per device call: each fits in its 10 minutes, and results are written after every configuration (and
+every probe). DeepSpeed comes from wheels carried to the GPU machine (``pip install wheels/*.whl``);
+its CPU Adam builds there on first use.
 
     python benchmarks/baselines.py --out benchmarks/results/baselines.json
     python benchmarks/baselines.py --gpu-gib 24 --out benchmarks/results/baselines-24gb.json
@@ -41,6 +45,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -97,6 +102,18 @@ class Model(L.LightningModule):
 
             return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, weight_decay=0.01, adamw_mode=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+
+
+class Report(L.Callback):
+    """Prints the run's ``RESULT {json}`` line at the end of training (after ``Clock``'s drain)."""
+
+    def __init__(self, measure: Callable[[], dict[str, Any]]) -> None:
+        self.measure = measure
+        self.result: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.result = self.measure()
+        print("RESULT " + json.dumps(self.result), flush=True)
 
 
 class Clock(L.Callback):
@@ -211,36 +228,47 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     batch = args.seqs if roundpipe else args.micro_batch
     data = DataLoader(Tokens(shape, args.seqs * steps, args.seq_len), batch_size=batch)
     clock = Clock(args.warmup)
+
+    def measured() -> dict[str, Any]:
+        seconds = clock.stamps[-1] - clock.stamps[0]
+        timed = len(clock.stamps) - 1
+        tokens_per_s = args.seqs * args.seq_len * timed / seconds
+        with_drain = args.seqs * args.seq_len * timed / (clock.drained - clock.stamps[0])
+        peaks = [torch.cuda.max_memory_allocated(d) / GiB for d in range(torch.cuda.device_count())] if cuda else []
+        moved = {}
+        if roundpipe and len(clock.moved) == 2:
+            (up0, down0), (up1, down1) = clock.moved
+            moved = {
+                "h2d_gb_s": (up1 - up0) / 1e9 / seconds,
+                "d2h_gb_s": (down1 - down0) / 1e9 / seconds,
+                **clock.engine,
+            }
+        return {
+            **moved,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_with_drain": with_drain,
+            "drain_s": clock.drained - clock.stamps[-1],
+            "step_s": seconds / timed,
+            "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
+            "peak_gpu_gib": max(peaks, default=0.0),
+            "peak_gpu_gib_per_device": peaks,
+            "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
+            "parameters": parameters,
+            "gpu_cap_gib": args.gpu_gib or None,
+            "seq_len": args.seq_len,
+        }
+
+    # printed before Lightning tears the strategy down: freeing tens of GB of pinned host memory can
+    # take long enough that a time limit would otherwise lose a finished measurement
+    report = Report(measured)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=args.workers if roundpipe else 1,
         precision="bf16-mixed", max_steps=steps, accumulate_grad_batches=1 if roundpipe else accumulate,
-        logger=False, callbacks=[clock], enable_progress_bar=False, enable_checkpointing=False,
+        logger=False, callbacks=[clock, report], enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, data)
-    seconds = clock.stamps[-1] - clock.stamps[0]
-    timed = len(clock.stamps) - 1
-    tokens_per_s = args.seqs * args.seq_len * timed / seconds
-    with_drain = args.seqs * args.seq_len * timed / (clock.drained - clock.stamps[0])
-    peaks = [torch.cuda.max_memory_allocated(d) / GiB for d in range(torch.cuda.device_count())] if cuda else []
-    moved = {}
-    if roundpipe and len(clock.moved) == 2:
-        (up0, down0), (up1, down1) = clock.moved
-        moved = {"h2d_gb_s": (up1 - up0) / 1e9 / seconds, "d2h_gb_s": (down1 - down0) / 1e9 / seconds, **clock.engine}
-    return {
-        **moved,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_with_drain": with_drain,
-        "drain_s": clock.drained - clock.stamps[-1],
-        "step_s": seconds / timed,
-        "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
-        "peak_gpu_gib": max(peaks, default=0.0),
-        "peak_gpu_gib_per_device": peaks,
-        "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
-        "parameters": parameters,
-        "gpu_cap_gib": args.gpu_gib or None,
-        "seq_len": args.seq_len,
-    }
+    return report.result
 
 
 def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, str, str]:
@@ -258,43 +286,64 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else expired.stdout
+        if "RESULT " in (out or ""):  # training finished; only the teardown after it ran out of time
+            return True, "", ""
         return False, "time limit", ""
     if proc.returncode == 0 and "RESULT " in proc.stdout:
         return True, "", ""
     err = proc.stderr[-4000:]
-    lines = [line for line in err.strip().splitlines() if "Error" in line] or err.strip().splitlines() or [""]
-    detail = lines[-1][:600]
+    lines = [line for line in err.strip().splitlines() if "Error" in line or "Infeasible" in line]
+    detail = (lines or err.strip().splitlines() or [""])[-1][:600]
     if "CUDA out of memory" in err or "OutOfMemoryError" in err or "CUDA error: out of memory" in err:
         return False, "GPU memory", detail
+    if "partition.Infeasible" in err:  # roundpipe's partitioner: one layer's stage alone exceeds the card
+        return False, "GPU memory (no plan fits)", detail
     if proc.returncode in (-9, 137) or "Cannot allocate memory" in err or "MemoryError" in err:
         return False, "host memory", detail
     return False, "error: " + detail[:200] if detail else f"exit {proc.returncode}", detail
 
 
-def max_seq(args: argparse.Namespace, config: str) -> dict[str, Any]:
-    """Double from ``--seq-len`` until a probe fails, then bisect to ``--seq-step`` tokens."""
-    good, bad, why, seq, details = 0, None, "", args.seq_len, {}
-    while bad is None and seq <= args.seq_cap:
+MEMORY = ("GPU memory", "GPU memory (no plan fits)", "host memory")
+
+
+def max_seq(
+    args: argparse.Namespace, config: str, report: Callable[[dict[str, Any]], None] = lambda _: None
+) -> dict[str, Any]:
+    """Double from ``--seq-len`` until a probe fails, then bisect to ``--seq-step`` tokens. ``report`` gets
+    the answer so far after every probe, so a command stopped from outside keeps what it learnt."""
+    good, bad, why, seq, details, probes = 0, None, "", args.seq_len, {}, []
+
+    def answer(**extra: Any) -> dict[str, Any]:
+        return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
+                "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
+                "failure_detail": details.get(bad, ""), "probes": probes, **extra}  # fmt: skip
+
+    def run(seq: int) -> bool:
         ok, reason, details[seq] = probe(args, config, seq)
         print(f"{config}: {seq} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
-        if ok:
+        probes.append({"seq_len": seq, "fits": ok, **({} if ok else {"ran_out_of": reason})})
+        return ok
+
+    while bad is None and seq <= args.seq_cap:
+        if run(seq):
             good, seq = seq, seq * 2
         else:
-            bad, why = seq, reason
-    if why not in ("", "GPU memory", "host memory"):  # a time limit or an error: no bisection on that
-        return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "inconclusive": True,
-                "workers": args.workers, "failure_detail": details.get(bad, "")}  # fmt: skip
+            bad, why = seq, probes[-1]["ran_out_of"]
+        report(answer(searching=True))
+    if why not in ("", *MEMORY):  # a time limit or an error: no bisection on that
+        return answer(inconclusive=True)
     while bad is not None and bad - good > args.seq_step:
         mid = (good + bad) // 2 // args.seq_step * args.seq_step or args.seq_step
         if mid <= good:
             break
-        ok, reason, details[mid] = probe(args, config, mid)
-        print(f"{config}: {mid} tokens {'fits' if ok else 'fails (' + reason + ')'}", flush=True)
-        good, bad, why = (mid, bad, why) if ok else (good, mid, reason)
-    return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
-            "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
-            "failure_detail": details.get(bad, "")}  # fmt: skip
+        if run(mid):
+            good = mid
+        else:
+            bad, why = mid, probes[-1]["ran_out_of"]
+        report(answer(searching=True))
+    return answer()
 
 
 def main() -> None:
@@ -315,7 +364,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=6, help="optimizer steps before timing starts (all systems)")
     p.add_argument("--seq-cap", type=int, default=262144)
     p.add_argument("--seq-step", type=int, default=1024)
     p.add_argument("--probe-timeout", type=int, default=300)
@@ -323,12 +372,14 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.run:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        run_one(args)  # prints its RESULT line
         return
     if args.max_seq:
         results = []
         for config in args.max_seq.split(","):
-            results.append(max_seq(args, config))
+            results.append(
+                max_seq(args, config, lambda partial: write(args.out, sys.argv[1:], __file__, [*results, partial]))
+            )
             print("RESULT " + json.dumps(results[-1]), flush=True)
             write(args.out, sys.argv[1:], __file__, results)
         return

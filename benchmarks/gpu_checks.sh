@@ -7,6 +7,9 @@
 # Steps: tests soak bubble bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
 #        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
+#        baselines-24gib (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
+#        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
+# At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -58,6 +61,19 @@ for step in "${steps[@]}"; do
       [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"; tail -n 3 "$OUT/ds-setup.log"
       run baselines-1.7b-b 320 python benchmarks/baselines.py --configs zero2-offload,zero3-offload \
         --config-timeout 200 --out "$OUT/baselines-1.7b-b.json" ;;
+    baselines-24gib) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
+      run baselines-24gib 480 python benchmarks/baselines.py --configs roundpipe,fsdp-offload,zero2-offload,zero3-offload \
+        --gpu-gib 24 --config-timeout 115 --out "$OUT/baselines-24gib.json" ;;
+    baselines-4b)  # building and pinning 4 B parameters and tearing them down take about a minute per config
+      run baselines-4b 580 python benchmarks/baselines.py --model qwen3-4b --configs plain,roundpipe,fsdp-offload \
+        --config-timeout 190 --out "$OUT/baselines-4b.json" ;;
+    baselines-4b-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
+      run baselines-4b-zero 580 python benchmarks/baselines.py --model qwen3-4b --configs zero2-offload,zero3-offload \
+        --config-timeout 285 --out "$OUT/baselines-4b-zero.json" ;;
+    maxseq24-*) config=${step#maxseq24-}  # measured 2026-11-29: roundpipe and fsdp-offload fit 65,536, fail 131,072
+      start=$([ "$config" = roundpipe ] || [ "$config" = fsdp-offload ] && echo 65536 || echo 32768)
+      run "$step" 560 python benchmarks/baselines.py --max-seq "$config" --gpu-gib 24 --seq-len "$start" \
+        --seq-step 16384 --probe-timeout 150 --out "$OUT/$step.json" ;;
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \

@@ -73,3 +73,62 @@ def test_a_configuration_that_hangs_is_recorded_and_the_next_still_runs(tmp_path
     hung, fine = run_configs(str(script), ["hangs", "fine"], {}, timeout=3)
     assert hung["config"] == "hangs" and "timed out after 3 s" in hung["error"]
     assert fine["config"] == "fine" and fine["tokens_per_s"] == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_measurement_that_finished_before_a_slow_teardown_is_kept(tmp_path):
+    """Freeing tens of GB of pinned memory can outlast the limit after training ended: the RESULT stands."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _driver import run_configs
+
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import time, json\nprint('RESULT ' + json.dumps({'tokens_per_s': 2.0}), flush=True)\ntime.sleep(60)\n"
+    )
+    (slow,) = run_configs(str(script), ["slow-teardown"], {}, timeout=3)
+    assert "error" not in slow and slow["tokens_per_s"] == 2.0 and slow["teardown_timed_out"]
+
+
+def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_every_probe(monkeypatch):
+    """roundpipe's partitioner refusing a plan is the card's memory running out, so the search bisects on;
+    each probe's answer is reported at once, so a command stopped from outside keeps it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    import baselines
+
+    def probe(args, config, seq):
+        if seq <= 80:
+            return True, "", ""
+        if seq <= 100:
+            return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
+        return False, "GPU memory", "CUDA out of memory"
+
+    monkeypatch.setattr(baselines, "probe", probe)
+    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0)
+    reports = []
+    found = baselines.max_seq(args, "roundpipe", reports.append)
+    assert found["max_seq_len"] == 80 and found["first_failure"] == 88
+    assert found["ran_out_of"] == "GPU memory (no plan fits)" and "inconclusive" not in found
+    assert [p["seq_len"] for p in found["probes"]] == [16, 32, 64, 128, 96, 80, 88]
+    assert len(reports) == 7 and all(r["searching"] for r in reports)
+    assert reports[3]["first_failure"] == 128 and reports[3]["max_seq_len"] == 64
+
+
+def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import baselines_chart
+
+    run = {"results": [{"config": "plain", "tokens_per_s": 10.0}, {"config": "fsdp-offload", "error": "oom"},
+                       {"config": "roundpipe", "tokens_per_s": 9.0, "gpu_cap_gib": 24.0}]}  # fmt: skip
+    found = {"config": "roundpipe", "max_seq_len": 64, "first_failure": 96, "gpu_cap_gib": 24.0}
+    partial = {"config": "fsdp-offload", "max_seq_len": 32, "first_failure": 64, "searching": True}
+    search = {"results": [found, partial]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "search.json").write_text(json.dumps(search))
+    speed, longest = baselines_chart.collect([str(tmp_path / "run.json"), str(tmp_path / "search.json")])
+    assert speed == {"full card": {"plain": 10.0}, "24 GiB card": {"roundpipe": 9.0}}  # no bar for a failure
+    assert longest == {"roundpipe": (64, 96, True, "24 GiB card"), "fsdp-offload": (32, 64, False, "full card")}
+    pytest.importorskip("matplotlib")
+    baselines_chart.draw(speed, longest, str(tmp_path / "chart.png"))
+    assert (tmp_path / "chart.png").stat().st_size > 1000

@@ -1,0 +1,89 @@
+"""Bar chart of ``baselines.py`` results: tokens/s per system on each card, and the longest sequence.
+
+Reads any number of the JSON files ``baselines.py`` writes (throughput runs and ``--max-seq`` runs alike)
+and draws what they hold; a system without a number on a card gets no bar rather than a guessed one.
+
+    python benchmarks/baselines_chart.py benchmarks/results/2026-11-29-baselines-*.json \\
+        benchmarks/results/2026-11-29-maxseq-24gib-*.json --out benchmarks/results/2026-11-29-baselines.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ORDER = ("plain", "roundpipe", "fsdp-offload", "zero2-offload", "zero3-offload")
+
+
+def card(result: dict[str, Any]) -> str:
+    cap = result.get("gpu_cap_gib")
+    return f"{cap:g} GiB card" if cap else "full card"
+
+
+def collect(paths: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, tuple[int, int | None, bool, str]]]:
+    """(tokens/s by card and system; by system: the longest sequence that fit, the first that failed, and
+    whether the search narrowed the gap between them to its step, and the card)."""
+    speed: dict[str, dict[str, float]] = {}
+    longest: dict[str, tuple[int, int | None, bool, str]] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["results"]:
+            if "error" in r:
+                continue
+            if "max_seq_len" in r:
+                done = not r.get("inconclusive") and not r.get("searching")
+                longest[r["config"]] = (r["max_seq_len"], r.get("first_failure"), done, card(r))
+            elif "tokens_per_s" in r:
+                speed.setdefault(card(r), {})[r["config"]] = r["tokens_per_s"]
+    return speed, longest
+
+
+def draw(speed: dict[str, dict[str, float]], longest: dict[str, tuple[int, int | None, bool, str]], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    cards = sorted(speed)
+    width = 0.8 / max(1, len(cards))
+    for i, name in enumerate(cards):
+        xs = [k + i * width for k, system in enumerate(ORDER) if system in speed[name]]
+        ys = [speed[name][system] for system in ORDER if system in speed[name]]
+        bars = left.bar(xs, ys, width, label=name)
+        left.bar_label(bars, labels=[f"{y / 1000:.1f}k" for y in ys], fontsize=7)
+    left.set_xticks([k + width * (len(cards) - 1) / 2 for k in range(len(ORDER))], ORDER, fontsize=8)
+    left.set_ylabel("tokens/s (32 x 2048 per step)")
+    left.set_title("Throughput")
+    left.legend(fontsize=8)
+    systems = [s for s in ORDER if s in longest]
+    bars = right.bar(range(len(systems)), [longest[s][0] for s in systems], color="tab:green")
+    labels = [
+        f"{fit:,}" + ("" if done or failed is None else f"\n(fails at {failed:,}; between not searched)")
+        for fit, failed, done, _ in (longest[s] for s in systems)
+    ]
+    right.bar_label(bars, labels=labels, fontsize=7)
+    right.set_xticks(range(len(systems)), systems, fontsize=8)
+    right.set_ylabel("tokens in one sequence, micro-batch 1")
+    right.set_title("Longest sequence that trains (" + ", ".join(sorted({c for _, _, _, c in longest.values()})) + ")")
+    right.set_ylim(top=1.25 * max([fit for fit, _, _, _ in longest.values()], default=1))
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", nargs="+", help="JSON files written by baselines.py")
+    p.add_argument("--out", required=True, help="PNG to write")
+    args = p.parse_args()
+    speed, longest = collect(args.results)
+    for name, systems in speed.items():
+        print(name, {k: round(v) for k, v in systems.items()})
+    print("longest sequence", longest)
+    draw(speed, longest, args.out)
+
+
+if __name__ == "__main__":
+    main()
