@@ -128,6 +128,51 @@ def partition(costs: LayerCosts, workers: int, microbatches: int, memory_limit: 
     return Partition(plan, t_max, objective(plan.num_slots, t_max, microbatches, workers))
 
 
+def near_optimal(
+    costs: LayerCosts, workers: int, microbatches: int, memory_limit: float | None = None, within: float = 0.15
+) -> list[Partition]:
+    """The best plan of every stage count whose objective is within ``within`` of the optimum, best
+    first (the first is :func:`partition`'s). The objective is the paper's proxy for iteration time; it
+    misses what the simulator sees (a larger fused stage recomputes less; where stages of unequal time
+    fall in the round), so these are the candidates a simulation picks from (:mod:`.choose`).
+
+    Per stage count ``S`` the best plan has the smallest ``t_max`` that packs into ``S`` slots: one
+    binary search over the sorted candidates each, since the count does not grow with ``t``."""
+    best = partition(costs, workers, microbatches, memory_limit)
+    packer = _Packer(costs, float("inf") if memory_limit is None else float(memory_limit))
+    candidates = packer.candidates()
+    counts: dict[int, int | None] = {}
+
+    def count(index: int) -> int:
+        if index not in counts:
+            counts[index] = packer.count(candidates[index])
+        return 10**9 if counts[index] is None else counts[index]  # type: ignore[return-value]
+
+    bound = (1 + within) * best.objective
+    found: dict[str, Partition] = {}
+
+    def keep(candidate: Partition) -> None:  # spreading over the workers can make two counts one plan
+        key = str(candidate.plan)
+        if key not in found or candidate.objective < found[key].objective:
+            found[key] = candidate
+
+    slots = count(len(candidates) - 1)  # the fewest
+    # no t is below the smallest candidate, so from here on more slots only cost more
+    while objective(slots, candidates[0], microbatches, workers) <= bound:
+        lo, hi = 0, len(candidates) - 1  # the first candidate that packs into at most ``slots``
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if count(mid) <= slots else (mid + 1, hi)
+        t, exact = candidates[lo], count(lo) == slots
+        slots += 1
+        if not exact or objective(slots - 1, t, microbatches, workers) > bound:
+            continue
+        plan = spread(packer.plan(t), workers)
+        keep(Partition(plan, t, objective(plan.num_slots, t, microbatches, workers)))
+    keep(best)
+    return sorted(found.values(), key=lambda p: (p.objective, p.plan.num_slots))
+
+
 def spread(plan: StagePlan, workers: int) -> StagePlan:
     """Split multi-layer stages (the largest first) toward ``workers`` slots, so every worker has a
     stage. Splitting the fused stage hands its lower half to a new forward stage and a new backward
