@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _driver import run_configs, write
 from bubble_check import Tokens
-from qwen3_shape import SHAPES, Block, build, flops_per_token, init, num_parameters
+from qwen3_shape import SHAPES, Block, build, flops_per_token, init, num_parameters, split_blocks
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipeStrategy
@@ -71,11 +71,13 @@ GiB = 2**30
 class Model(L.LightningModule):
     """The shaped ``nn.Sequential``; blocks checkpointed under the baselines, pipelined under roundpipe."""
 
-    def __init__(self, shape: Any, optimizer: str) -> None:
+    def __init__(self, shape: Any, optimizer: str, split: bool = False) -> None:
         super().__init__()
         with torch.device("meta"):
             model = build(shape)
         self.model = init(model.to_empty(device="cpu"))
+        if split:  # roundpipe only: the baselines checkpoint whole blocks
+            self.model = split_blocks(self.model)
         self.optimizer = optimizer
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -222,7 +224,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         args.run, accumulate, args.double_buffer, args.gpu_memory, args.micro_batch, capped=bool(args.gpu_gib)
     )
     L.seed_everything(0, verbose=False)
-    module = Model(shape, optimizer)
+    split = args.split_blocks and roundpipe  # the baselines checkpoint whole blocks either way
+    module = Model(shape, optimizer, split=split)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
     steps = args.warmup + args.steps
     batch = args.seqs if roundpipe else args.micro_batch
@@ -256,6 +259,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "parameters": parameters,
             "gpu_cap_gib": args.gpu_gib or None,
             "seq_len": args.seq_len,
+            **({"split_blocks": True} if split else {}),
         }
 
     # printed before Lightning tears the strategy down: freeing tens of GB of pinned host memory can
@@ -281,6 +285,7 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
            "--seqs", str(args.workers if roundpipe else 1), "--micro-batch", "1", "--seq-len", str(seq_len),
            "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
     cmd += ["--double-buffer", args.double_buffer, "--gpu-memory", str(args.gpu_memory)]
+    cmd += ["--split-blocks"] if args.split_blocks else []
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -358,6 +363,9 @@ def main() -> None:
     p.add_argument("--memory-snapshot", default=None, help="at an out-of-memory, write the allocator's state here")
     p.add_argument(
         "--double-buffer", default="none", choices=("none", "first", "all"), help="RoundPipeStrategy(double_buffer=...)"
+    )
+    p.add_argument(
+        "--split-blocks", action="store_true", help="roundpipe's model: each block as two layers (attention, MLP)"
     )
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")

@@ -9,6 +9,8 @@
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 #        baselines-24gib (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
+#        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
+#        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
@@ -45,6 +47,11 @@ for step in "${steps[@]}"; do
       --micro-batch 1 --seq-len 32768 --warmup 3 --steps 1 --gpu-gib 8 --memory-snapshot "$OUT/oom.pickle"
       cat "$OUT/oom.txt" 2>/dev/null ;;
     moe) run moe-lora 480 python benchmarks/moe_lora.py --out "$OUT/moe-lora.json" ;;
+    throughput-fused-2-3)  # issue 3: between 1 fused block (0.880 of plain, 0.185 of its memory) and 4 (0.905, 0.388)
+      run throughput-fused-2 300 python benchmarks/throughput.py --configs plain,roundpipe-priority --fused-blocks 2 \
+        --out "$OUT/throughput-fused-2.json"
+      run throughput-fused-3 200 python benchmarks/throughput.py --configs roundpipe-priority --fused-blocks 3 \
+        --out "$OUT/throughput-fused-3.json" ;;
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background
@@ -70,6 +77,13 @@ for step in "${steps[@]}"; do
     baselines-4b-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
       run baselines-4b-zero 580 python benchmarks/baselines.py --model qwen3-4b --configs zero2-offload,zero3-offload \
         --config-timeout 285 --out "$OUT/baselines-4b-zero.json" ;;
+    maxseq24-roundpipe-split) run "$step" 560 python benchmarks/baselines.py --max-seq roundpipe --split-blocks \
+      --gpu-gib 24 --seq-len 131072 --seq-step 16384 --probe-timeout 200 --out "$OUT/$step.json" ;;
+    baselines-split)  # roundpipe with each block as two layers, on the full card and on 24 GiB: what the split costs
+      run baselines-split 400 python benchmarks/baselines.py --configs roundpipe --split-blocks --config-timeout 150 \
+        --out "$OUT/baselines-split.json"
+      run baselines-split-24gib 200 python benchmarks/baselines.py --configs roundpipe --split-blocks --gpu-gib 24 \
+        --config-timeout 150 --out "$OUT/baselines-split-24gib.json" ;;
     maxseq24-*) config=${step#maxseq24-}  # measured 2026-11-29: roundpipe and fsdp-offload fit 65,536, fail 131,072
       start=$([ "$config" = roundpipe ] || [ "$config" = fsdp-offload ] && echo 65536 || echo 32768)
       run "$step" 560 python benchmarks/baselines.py --max-seq "$config" --gpu-gib 24 --seq-len "$start" \

@@ -89,20 +89,56 @@ class Block(nn.Module):
 
     def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, labels = batch
-        b, t, _ = x.shape
-        h = self.input_norm(x)
-        q = self.q_norm(self.q_proj(h).view(b, t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(h).view(b, t, self.kv_heads, self.head_dim))
-        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim)
-        angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = (f(angles)[None, :, None, :].to(q.dtype) for f in (torch.cos, torch.sin))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        h = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h)), labels
+        x = x + _attention(self, x)
+        return x + _mlp(self, x), labels
+
+
+def _attention(m: nn.Module, x: Tensor) -> Tensor:
+    """The attention branch of a block (``m`` holds its modules: a :class:`Block` or an :class:`AttentionHalf`)."""
+    b, t, _ = x.shape
+    h = m.input_norm(x)
+    q = m.q_norm(m.q_proj(h).view(b, t, m.heads, m.head_dim))
+    k = m.k_norm(m.k_proj(h).view(b, t, m.kv_heads, m.head_dim))
+    v = m.v_proj(h).view(b, t, m.kv_heads, m.head_dim)
+    angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * m.inv_freq[None, :]
+    cos, sin = (f(angles)[None, :, None, :].to(q.dtype) for f in (torch.cos, torch.sin))
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    attn = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    return m.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+
+
+def _mlp(m: nn.Module, x: Tensor) -> Tensor:
+    h = m.post_norm(x)
+    return m.down(F.silu(m.gate(h)) * m.up(h))
+
+
+class AttentionHalf(nn.Module):
+    """A block's attention branch and its residual as a layer of its own, on the block's own parameters."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = block.heads, block.kv_heads, block.head_dim
+        for name in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            setattr(self, name, getattr(block, name))
+        self.register_buffer("inv_freq", block.inv_freq, persistent=False)
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, labels = batch
+        return x + _attention(self, x), labels
+
+
+class MlpHalf(nn.Module):
+    """A block's MLP branch and its residual as a layer of its own, on the block's own parameters."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.post_norm, self.gate, self.up, self.down = block.post_norm, block.gate, block.up, block.down
+
+    def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        x, labels = batch
+        return x + _mlp(self, x), labels
 
 
 class Head(nn.Module):
@@ -122,6 +158,15 @@ def build(shape: Shape) -> nn.Sequential:
     """Build on the current default device (use ``torch.device('meta')`` and :func:`init` for speed)."""
     embed = Embed(shape)
     return nn.Sequential(embed, *(Block(shape) for _ in range(shape.layers)), Head(shape, embed))
+
+
+def split_blocks(model: nn.Sequential) -> nn.Sequential:
+    """The same model (the same parameters) with each block as two layers, attention and MLP: what
+    ``RoundPipeStrategy(split_decoder_layers=True)`` does to a Hugging Face model. Call after :func:`init`."""
+    layers = [model[0]]
+    for block in list(model)[1:-1]:
+        layers += [AttentionHalf(block), MlpHalf(block)]
+    return nn.Sequential(*layers, model[-1])
 
 
 @torch.no_grad()

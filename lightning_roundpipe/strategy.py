@@ -87,6 +87,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             states with AdamW-sized optimizer states, see :func:`~lightning_roundpipe.estimate_host_memory`)
             and refuse with the table if it exceeds what is available. ``False`` skips the check (an
             optimizer with smaller states, memory about to be freed).
+        split_decoder_layers: a Hugging Face model's decoder blocks become two pipeline layers each,
+            attention and MLP (same arithmetic). One stage then holds about half a block's activations,
+            so longer sequences fit, and the partitioner balances stages at a finer grain. Costs a
+            stage boundary (the hidden states, host round trip included) per block.
         evaluate_hf_in_pipeline: ``self.model(**batch)`` of a Hugging Face model in ``validation_step`` /
             ``test_step`` with labels runs forward-only through the pipeline and returns the loss only
             (``logits`` is ``None``: never materialised). ``False`` runs the model's own forward on the host
@@ -109,6 +113,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         async_optimizer: bool = True,
         double_buffer: bool | str = False,
         host_memory_check: bool = True,
+        split_decoder_layers: bool = False,
         evaluate_hf_in_pipeline: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -128,6 +133,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         if overlap not in OVERLAPS:
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
+        self.split_decoder_layers = split_decoder_layers
         self.gpu_memory = parse_memory(gpu_memory)
         self.double_buffer = double_buffering(double_buffer)
         if self.double_buffer != "none" and not async_optimizer:
@@ -345,9 +351,17 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         if hf_model is not None:
             from lightning_roundpipe.models import hf
 
-            layers = hf.build_layers(hf_model)
+            layers = hf.build_layers(hf_model, self.split_decoder_layers)
             check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
         else:
+            if self.split_decoder_layers:
+                from lightning_roundpipe.models.hf import PRESETS
+
+                raise ValueError(
+                    "RoundPipeStrategy(split_decoder_layers=True) splits the decoder blocks of a Hugging Face model"
+                    f" (presets: {sorted(PRESETS)}); an nn.Sequential is pipelined layer by layer as given,"
+                    " so split its blocks into separate children instead"
+                )
             sequential = find_pipelined_module(module)
             layers = list(sequential.children())
         asynchronous = self.async_optimizer and training

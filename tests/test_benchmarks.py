@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-len", "32"]
 SMOKE = {
     "baselines": ["--device", "cpu", "--model", "debug", "--configs", "plain,roundpipe", "--seqs", "4",
-                  "--micro-batch", "2", "--steps", "2", "--warmup", "1", *TINY],
+                  "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--split-blocks", *TINY],
     "bubble_check": ["--device", "cpu", "--model", "debug", "--devices", "2", "--seqs", "4", "--steps", "6",
                      "--microbatches", "2", *TINY],
     "scaling": ["--device", "cpu", "--models", "debug", "--gpus", "1,2", "--seqs", "4", "--steps", "2",
@@ -132,3 +132,27 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
     pytest.importorskip("matplotlib")
     baselines_chart.draw(speed, longest, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+def test_split_blocks_is_the_same_model_with_twice_the_layers():
+    """The benchmark model's blocks as attention and MLP layers (``baselines.py --split-blocks``): the same
+    parameters, the same loss and the same gradients."""
+    import copy
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qwen3_shape import SHAPES, build, init, split_blocks
+
+    shape = SHAPES["debug"]
+    whole = init(build(shape))
+    halves = split_blocks(copy.deepcopy(whole))
+    assert len(halves) == 2 + 2 * shape.layers
+    assert sum(p.numel() for p in halves.parameters()) == sum(p.numel() for p in whole.parameters())
+    tokens = torch.randint(0, shape.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = [model((tokens, tokens)) for model in (whole, halves)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    for a, b in zip(whole.parameters(), halves.parameters()):  # same registration order
+        assert torch.equal(a.grad, b.grad)

@@ -215,9 +215,11 @@ def test_chunked_loss_stage_peak_memory_is_a_fraction_of_full_logits():
     assert peaks[16384] < 0.3 * plain, f"ours {gib} vs plain {plain / 2**30:.2f} GiB"
 
 
-def test_hf_decoder_stage_runs_without_host_syncs():
+@pytest.mark.parametrize("split", [False, True])
+def test_hf_decoder_stage_runs_without_host_syncs(split):
     """A preset block's forward and backward never wait for the GPU (transformers' per-layer checks of
-    masks and positions would), so the worker thread can run ahead of its device."""
+    masks and positions would), so the worker thread can run ahead of its device; nor do the halves of
+    a block under ``split_decoder_layers``."""
     transformers = pytest.importorskip("transformers")
     from lightning_roundpipe.models import hf
 
@@ -225,7 +227,8 @@ def test_hf_decoder_stage_runs_without_host_syncs():
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
     )  # fmt: skip
-    layers = [layer.cuda() for layer in hf.build_layers(transformers.Qwen3ForCausalLM(config))]
+    model = transformers.Qwen3ForCausalLM(config)
+    layers = [layer.cuda() for layer in hf.build_layers(model, split_decoder_layers=split)]
     ids = torch.randint(0, 97, (2, 16))
     mask, positions = hf.plain_inputs(torch.ones_like(ids), torch.arange(16).expand_as(ids))
     state = layers[0]((ids.cuda(), mask, positions, ids.cuda()))
@@ -233,7 +236,9 @@ def test_hf_decoder_stage_runs_without_host_syncs():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = layers[1]((hidden, *state[1:]))
+        out = (hidden, *state[1:])
+        for layer in layers[1:-1]:  # every block, or every half block
+            out = layer(out)
         out[0].float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

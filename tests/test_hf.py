@@ -44,8 +44,8 @@ def padded_batch(rows: int = 6, length: int = 10, seed: int = 1) -> dict[str, to
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3):
-    layers = hf.build_layers(model)
+def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3, split=False):
+    layers = hf.build_layers(model, split_decoder_layers=split)
     engine = PipelineEngine(
         layers, [WorkerDevice("cpu", i) for i in range(workers)], plan=plan, microbatches_per_round=mbs
     )
@@ -64,12 +64,15 @@ def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied):
+@pytest.mark.parametrize("split", [False, True])
+def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied, split):
     model = tiny(arch, attn, tied)
     reference = copy.deepcopy(model)
     batch = padded_batch()
-    # 5 layers (embedding, 3 blocks, head); forward and backward partitions differ
-    loss, grads = engine_loss_and_grads(model, batch, plan=StagePlan.parse("2,1|2,1,2"))
+    # 5 layers (embedding, 3 blocks, head), or 8 with each block split in two: forward and backward
+    # partitions differ, and with the split, stages end inside blocks
+    plan = StagePlan.parse("3,3|2,3,3" if split else "2,1|2,1,2")
+    loss, grads = engine_loss_and_grads(model, batch, plan=plan, split=split)
     want = reference(**batch)
     want.loss.backward()
     assert relative_error(loss, want.loss.detach()) <= 1e-5
@@ -152,6 +155,36 @@ def test_training_step_unchanged_weights_equal_plain_lightning(arch):
     assert relative_error(flat(ours), flat(plain)) <= 1e-5
     assert relative_error(flat(ours), flat(HFModule(arch))) > 1e-3  # it trained
     assert "forward" not in ours.model.__dict__  # the interception is undone at teardown
+
+
+def test_split_decoder_layers_through_the_strategy_equal_plain_lightning(monkeypatch):
+    built = []
+    build = hf.build_layers
+    monkeypatch.setattr(hf, "build_layers", lambda *args: built.append(build(*args)) or built[-1])
+    plain = fit_hf("auto", 1, "qwen3")
+    ours = fit_hf(RoundPipeStrategy(num_microbatches=3, async_optimizer=False, split_decoder_layers=True), 2, "qwen3")
+    assert [len(layers) for layers in built] == [2 + 2 * 3]  # embedding, 3 blocks in halves, head
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    assert relative_error(flat(ours), flat(plain)) <= 1e-5
+
+
+def test_a_split_block_keeps_about_half_the_activations_per_stage():
+    """What one stage must hold for its backward bounds the longest sequence: split, the larger half of a
+    block keeps well under the whole block's (measured by the engine's own profiling)."""
+    kept = {}
+    for split in (False, True):
+        model = tiny("qwen3")
+        layers = hf.build_layers(model, split_decoder_layers=split)
+        engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1)
+        try:
+            batch = padded_batch(rows=2, length=48)
+            inputs = (batch["input_ids"], batch["attention_mask"], None, batch["labels"])
+            engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
+            assert engine.layer_costs is not None
+            kept[split] = max(engine.layer_costs.backward_activations[1:-1])  # the decoder layers
+        finally:
+            engine.close()
+    assert kept[True] <= 0.65 * kept[False], kept
 
 
 def test_unsupported_architecture_names_the_supported_ones():
@@ -284,13 +317,14 @@ def test_moe_without_aux_loss_equals_the_whole_batch_run():
             assert relative_error(grads[name], p.grad) <= 1e-5, name
 
 
-def test_moe_aux_loss_is_the_models_own_per_micro_batch():
+@pytest.mark.parametrize("split", [False, True])
+def test_moe_aux_loss_is_the_models_own_per_micro_batch(split):
     """With output_router_logits the loss includes router_aux_loss_coef x the load-balancing loss of each
     micro-batch (as with gradient accumulation); routers get its gradient through every stage."""
     model = tiny_moe(aux=True)
     reference = copy.deepcopy(model)
     batch = padded_batch()
-    loss, grads = engine_loss_and_grads(model, batch, mbs=3)
+    loss, grads = engine_loss_and_grads(model, batch, mbs=3, split=split)
     parts = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2, 4)]
     counts = [hf.counted_tokens(p["labels"]).item() for p in parts]
     want = sum(reference(**p).loss * (c / sum(counts)) for p, c in zip(parts, counts))

@@ -114,6 +114,12 @@ def test_model_without_a_sequential_is_refused():
         fit(NoSequential, {**CPU, "devices": 2, "strategy": "roundpipe"})
 
 
+def test_split_decoder_layers_without_a_hugging_face_model_is_refused():
+    strategy = RoundPipeStrategy(split_decoder_layers=True)
+    with pytest.raises(ValueError, match=r"split_decoder_layers=True.*Hugging Face.*split its blocks"):
+        fit(BoringPipeline, {**CPU, "devices": 2, "strategy": strategy})
+
+
 def test_trainable_parameters_outside_the_sequential_are_named():
     class Stray(BoringPipeline):
         def __init__(self):

@@ -60,48 +60,109 @@ class DecoderStage(nn.Module):
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
-        types = getattr(config, "layer_types", None)
-        self.sliding = bool(types) and types[index] == "sliding_attention"
+        self.sliding = _sliding(config, index)
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        from transformers import masking_utils
-
-        make_mask = (
-            masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
-        )
-        # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
-        # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
-        mask = make_mask(self.config, hidden, attention_mask, None, position_ids=position_ids)
-        positions = position_ids
-        if positions is None:
-            positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-        router = _router_of(self.layer) if sums is not None else None
-        logits: list[Tensor] = []
-        handle = None
-        if router is not None:
-            handle = router.register_forward_hook(
-                lambda _m, _i, out: logits.append(out[0] if isinstance(out, tuple) else out)
-            )
-        try:
-            out = self.layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=positions,
-                position_embeddings=self.rotary_emb(hidden, positions),
-            )
-        finally:
-            if handle is not None:
-                handle.remove()
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state)
+        router = _router_of(getattr(self.layer, "mlp", None)) if sums is not None else None
+        with _RouterLogits(router) as logits:
+            out = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         if logits:
             assert sums is not None
             sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids, labels, sums
 
 
-def _router_of(layer: nn.Module) -> nn.Module | None:
-    """The module whose output is the layer's router logits (``mlp.gate`` of a sparse block), if any."""
-    mlp = getattr(layer, "mlp", None)
+class AttentionStage(nn.Module):
+    """The first half of a decoder block as a layer of its own: ``h + self_attn(input_layernorm(h))``.
+    With :class:`MlpStage` after it, the same arithmetic as the block (``split_decoder_layers``)."""
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.sliding = _sliding(config, index)
+
+    def forward(self, state: State) -> State:
+        hidden, attention_mask, position_ids, labels, sums = state
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state)
+        out = self.self_attn(
+            hidden_states=self.input_layernorm(hidden),
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=rotary,
+        )
+        return hidden + out[0], attention_mask, position_ids, labels, sums
+
+
+class MlpStage(nn.Module):
+    """The second half of a decoder block: ``h + mlp(post_attention_layernorm(h))``, router sums included."""
+
+    def __init__(self, layer: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.config = config
+
+    def forward(self, state: State) -> State:
+        hidden, attention_mask, position_ids, labels, sums = state
+        router = _router_of(self.mlp) if sums is not None else None
+        with _RouterLogits(router) as logits:
+            out = self.mlp(self.post_attention_layernorm(hidden))
+        if logits:
+            assert sums is not None
+            sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
+        return hidden + (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids, labels, sums
+
+
+def _sliding(config: Any, index: int) -> bool:
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[index] == "sliding_attention"
+
+
+def _attention_inputs(
+    config: Any, sliding: bool, rotary_emb: nn.Module, state: State
+) -> tuple[Any, Tensor, tuple[Tensor, Tensor]]:
+    """The attention mask the implementation needs, the positions and the rotary tables, made per
+    micro-batch from the 2-D padding mask and the position ids that travel."""
+    hidden, attention_mask, position_ids, _, _ = state
+    from transformers import masking_utils
+
+    make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
+    # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
+    mask = make_mask(config, hidden, attention_mask, None, position_ids=position_ids)
+    positions = position_ids
+    if positions is None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+    return mask, positions, rotary_emb(hidden, positions)
+
+
+class _RouterLogits(list):
+    """Collects the router's logits while the block runs (nothing when there is no router)."""
+
+    def __init__(self, router: nn.Module | None) -> None:
+        super().__init__()
+        self.router = router
+        self.handle: Any = None
+
+    def __enter__(self) -> _RouterLogits:
+        if self.router is not None:
+            self.handle = self.router.register_forward_hook(
+                lambda _m, _i, out: self.append(out[0] if isinstance(out, tuple) else out)
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _router_of(mlp: nn.Module | None) -> nn.Module | None:
+    """The module whose output is the block's router logits (``mlp.gate`` of a sparse block), if any."""
     return getattr(mlp, "gate", None) if mlp is not None and hasattr(mlp, "experts") else None
 
 
@@ -158,25 +219,31 @@ def counted_tokens(labels: Tensor) -> Tensor:
     return (shift_labels(labels) != IGNORE_INDEX).sum()
 
 
-def _decoder(model: nn.Module) -> list[nn.Module]:
-    """Embedding, the decoder blocks, final norm and head: Llama, Qwen3 and Qwen3-MoE share this shape."""
+def _decoder(model: nn.Module, split: bool = False) -> list[nn.Module]:
+    """Embedding, the decoder blocks (each as two layers when ``split``), final norm and head: Llama,
+    Qwen3 and Qwen3-MoE share this shape."""
     inner = model.model
     config = model.config
     layers = list(inner.layers[: config.num_hidden_layers])
     experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "output_router_logits", False) else 0
     stages: list[nn.Module] = [InputStage(inner.embed_tokens, experts)]
-    stages += [DecoderStage(layer, inner.rotary_emb, config, i) for i, layer in enumerate(layers)]
+    for i, layer in enumerate(layers):
+        if split:
+            stages += [AttentionStage(layer, inner.rotary_emb, config, i), MlpStage(layer, config)]
+        else:
+            stages.append(DecoderStage(layer, inner.rotary_emb, config, i))
     aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0)) if experts else 0.0
     stages.append(OutputStage(inner.norm, model.lm_head, aux_coef=aux_coef))
     return stages
 
 
-PRESETS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
+PRESETS: dict[str, Callable[[nn.Module, bool], list[nn.Module]]] = {
     "LlamaForCausalLM": _decoder,
     "Qwen3ForCausalLM": _decoder,
     "Qwen3MoeForCausalLM": _decoder,
 }
-"""Architecture (class name) to the function building its layer sequence."""
+"""Architecture (class name) to the function building its layer sequence (the flag: split each decoder
+block into an attention layer and an MLP layer)."""
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -197,8 +264,12 @@ def is_hf_model(module: nn.Module) -> bool:
     return isinstance(unwrap(module), PreTrainedModel)
 
 
-def build_layers(model: nn.Module) -> list[nn.Module]:
-    """The layer sequence for a supported Hugging Face causal LM; a clear error otherwise."""
+def build_layers(model: nn.Module, split_decoder_layers: bool = False) -> list[nn.Module]:
+    """The layer sequence for a supported Hugging Face causal LM; a clear error otherwise.
+
+    ``split_decoder_layers``: each decoder block becomes two layers, attention and MLP, with the same
+    arithmetic. A stage can then end inside a block: one stage's activations are about half a block's
+    (what bounds the longest sequence), and stages balance at a finer grain."""
     hf = unwrap(model)
     name = type(hf).__name__
     if name not in PRESETS:
@@ -207,7 +278,7 @@ def build_layers(model: nn.Module) -> list[nn.Module]:
             " `lightning_roundpipe.models.hf.PRESETS` (a function returning the model's layers as modules), or"
             " keep the model as an `nn.Sequential` and train it with `lightning_roundpipe.pipeline_loss`."
         )
-    return PRESETS[name](hf)
+    return PRESETS[name](hf, split_decoder_layers)
 
 
 def plain_inputs(attention_mask: Tensor | None, position_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
