@@ -37,8 +37,12 @@ def run_configs(
                 for t in (expired.stdout, expired.stderr)
             )
             lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            if lines:  # the measurement finished; only the teardown after it ran out of time
-                result = {**json.loads(lines[-1][len("RESULT ") :]), "config": config, "teardown_timed_out": True}
+            try:  # a line cut short by the kill is no result
+                salvaged = json.loads(lines[-1][len("RESULT ") :]) if lines else None
+            except json.JSONDecodeError:
+                salvaged = None
+            if salvaged is not None:  # the measurement finished; only the teardown after it ran out of time
+                result = {**salvaged, "config": config, "teardown_timed_out": True}
                 results.append({**result, "wall_s": time.perf_counter() - t0})
                 print(f"{config}: measured, then timed out in teardown after {timeout} s", flush=True)
                 continue

@@ -24,7 +24,7 @@ process per probe, doubling then bisecting, 2 optimizer steps each; a time limit
 the search as inconclusive; the partitioner finding no plan counts as GPU memory). Timing starts
 after ``--warmup`` optimizer steps for every system: roundpipe's first two profile one layer per stage,
 and its first steps on the chosen plan carry one-off costs (on one H200, ``bubble_check.py`` saw them
-in the first 1-4 steps after the switch), so the default of 6 keeps both out. Run one configuration
+within the first 5 steps after the switch), so the default of 8 keeps both out. Run one configuration
 per device call: each fits in its 10 minutes, and results are written after every configuration (and
 every probe). DeepSpeed comes from wheels carried to the GPU machine (``pip install wheels/*.whl``);
 its CPU Adam builds there on first use.
@@ -345,6 +345,8 @@ def max_seq(
             break
         if run(mid):
             good = mid
+        elif probes[-1]["ran_out_of"] not in MEMORY:  # a time limit or an error: the bracket stays open
+            return answer(inconclusive=True)
         else:
             bad, why = mid, probes[-1]["ran_out_of"]
         report(answer(searching=True))
@@ -372,7 +374,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=6, help="optimizer steps before timing starts (all systems)")
+    p.add_argument("--warmup", type=int, default=8, help="optimizer steps before timing starts (all systems)")
     p.add_argument("--seq-cap", type=int, default=262144)
     p.add_argument("--seq-step", type=int, default=1024)
     p.add_argument("--probe-timeout", type=int, default=300)

@@ -4,7 +4,7 @@ Reads any number of the JSON files ``baselines.py`` writes (throughput runs and 
 and draws what they hold; a system without a number on a card gets no bar rather than a guessed one.
 
     python benchmarks/baselines_chart.py benchmarks/results/2026-11-29-baselines-*.json \\
-        benchmarks/results/2026-11-29-maxseq-24gib-*.json --out benchmarks/results/2026-11-29-baselines.png
+        benchmarks/results/2026-11-29-maxseq-24gib-*.json --out benchmarks/results/2026-11-29-baselines-1.7b.png
 """
 
 from __future__ import annotations

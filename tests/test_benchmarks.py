@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--seq-len", "32"]
 SMOKE = {
     "baselines": ["--device", "cpu", "--model", "debug", "--configs", "plain,roundpipe", "--seqs", "4",
-                  "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--split-blocks", *TINY],
+                  "--micro-batch", "2", "--steps", "2", "--warmup", "1", *TINY],
     "bubble_check": ["--device", "cpu", "--model", "debug", "--devices", "2", "--seqs", "4", "--steps", "6",
                      "--microbatches", "2", *TINY],
     "scaling": ["--device", "cpu", "--models", "debug", "--gpus", "1,2", "--seqs", "4", "--steps", "2",
@@ -97,12 +97,10 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
 
     import baselines
 
-    def probe(args, config, seq):
+    def probe(args, config, seq):  # the partitioner refuses first, while the search is still doubling
         if seq <= 80:
             return True, "", ""
-        if seq <= 100:
-            return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
-        return False, "GPU memory", "CUDA out of memory"
+        return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
 
     monkeypatch.setattr(baselines, "probe", probe)
     args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0)
@@ -113,6 +111,50 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
     assert [p["seq_len"] for p in found["probes"]] == [16, 32, 64, 128, 96, 80, 88]
     assert len(reports) == 7 and all(r["searching"] for r in reports)
     assert reports[3]["first_failure"] == 128 and reports[3]["max_seq_len"] == 64
+
+
+def test_a_time_limit_while_bisecting_leaves_the_search_inconclusive(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    import baselines
+
+    answers = {16: (True, "", ""), 32: (True, "", ""), 64: (False, "GPU memory", "oom"), 48: (False, "time limit", "")}
+    monkeypatch.setattr(baselines, "probe", lambda args, config, seq: answers[seq])
+    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0)
+    found = baselines.max_seq(args, "fsdp-offload")
+    assert found["inconclusive"] and found["max_seq_len"] == 32 and found["first_failure"] == 64
+
+
+def test_probe_reads_what_ran_out_from_the_error(monkeypatch):
+    """The partitioner's ``Infeasible`` is the card's memory running out (no plan fits); a CUDA
+    out-of-memory is the allocator's; a finished run that only timed out in teardown fits."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    import baselines
+
+    stderr = {
+        "infeasible": "Traceback ...\nlightning_roundpipe.schedule.partition.Infeasible: layer 1 needs 19.33 GiB",
+        "oom": "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    }
+
+    def run(cmd, **kwargs):
+        case = os.environ["CASE"]
+        if case == "teardown":
+            raise subprocess.TimeoutExpired(cmd, 1, output=b"RESULT {}\n")
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=stderr[case])
+
+    monkeypatch.setattr(baselines.subprocess, "run", run)
+    args = argparse.Namespace(model="debug", device="cpu", workers=1, double_buffer="none", gpu_memory=0.8,
+                              gpu_gib=24.0, probe_timeout=1, split_blocks=False)  # fmt: skip
+    monkeypatch.setenv("CASE", "infeasible")
+    fits, why, detail = baselines.probe(args, "roundpipe", 131072)
+    assert not fits and why == "GPU memory (no plan fits)" and "19.33 GiB" in detail
+    monkeypatch.setenv("CASE", "oom")
+    assert baselines.probe(args, "fsdp-offload", 98304)[:2] == (False, "GPU memory")
+    monkeypatch.setenv("CASE", "teardown")
+    assert baselines.probe(args, "roundpipe", 65536)[0]
 
 
 def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
@@ -132,6 +174,19 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
     pytest.importorskip("matplotlib")
     baselines_chart.draw(speed, longest, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(240)
+def test_baselines_roundpipe_with_split_blocks_runs_on_cpu(tmp_path):
+    out = tmp_path / "result.json"
+    args = [*SMOKE["baselines"], "--configs", "roundpipe", "--split-blocks", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), *args], capture_output=True, text=True,
+        timeout=220, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result.get("split_blocks") is True and "error" not in result
 
 
 def test_split_blocks_is_the_same_model_with_twice_the_layers():

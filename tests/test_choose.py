@@ -70,7 +70,8 @@ def test_the_fastest_plan_is_never_slower_than_the_objectives_and_sometimes_fast
             str(c.plan): roundpipe(costs, c.plan, workers, microbatches).period
             for c in near_optimal(costs, workers, microbatches, limit)
         }
-        assert period[str(chosen.plan)] == min(period.values())
+        assert str(chosen.plan) in period  # one of the candidates, and none of them is faster
+        assert period[str(chosen.plan)] <= min(period.values()) * (1 + 1e-12)
         assert period[str(chosen.plan)] <= period[str(best.plan)]
         faster += period[str(chosen.plan)] < 0.99 * period[str(best.plan)]
     assert faster >= 5  # the objective is only a proxy: on these instances it often misses the fastest plan
@@ -90,3 +91,11 @@ def test_a_handoff_between_iterations_enters_the_choice():
         assert period <= roundpipe(costs, quick.plan, workers, microbatches, handoff=3.0).period
         differs += str(slow.plan) != str(quick.plan)
     assert differs >= 1
+
+
+def test_costs_of_zero_end_the_search():
+    from lightning_roundpipe.schedule.partition import LayerCosts
+
+    zero = LayerCosts((0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    assert [c.objective for c in near_optimal(zero, 2, 4)] == [partition(zero, 2, 4).objective]
+    assert fastest_plan(zero, 2, 4).plan == partition(zero, 2, 4).plan

@@ -187,6 +187,39 @@ def test_a_split_block_keeps_about_half_the_activations_per_stage():
     assert kept[True] <= 0.65 * kept[False], kept
 
 
+@pytest.mark.parametrize("variant", ["sliding-window", "moe-with-a-dense-layer"])
+def test_split_blocks_of_sliding_window_and_mixed_moe_models_equal_the_model_run_directly(variant):
+    torch.manual_seed(0)
+    if variant == "sliding-window":  # layers 1 and 2 attend within a window of 4
+        config = transformers.Qwen3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        assert "sliding_attention" in config.layer_types
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        model = tiny_moe(aux=True, mlp_only_layers=[0])
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    loss, grads = engine_loss_and_grads(model, batch, workers=1, mbs=1, split=True)  # (aux loss of the whole batch)
+    want = reference(**batch)
+    want.loss.backward()
+    assert relative_error(loss, want.loss.detach()) <= 1e-5
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            assert relative_error(grads[name], p.grad) <= 1e-5, name
+
+
+def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):
+    """Presets registered as ``preset(model)`` keep working; asking them to split is a clear error."""
+    model = tiny("qwen3")
+    monkeypatch.setitem(hf.PRESETS, "Qwen3ForCausalLM", lambda m: hf._decoder(m))
+    assert len(hf.build_layers(model)) == 2 + 3
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM preset cannot split.*`split` keyword"):
+        hf.build_layers(model, split_decoder_layers=True)
+
+
 def test_unsupported_architecture_names_the_supported_ones():
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)
@@ -288,9 +321,9 @@ def test_lora_frozen_weights_take_two_bytes_on_the_host_in_bf16():
         engine.close()
 
 
-def tiny_moe(aux: bool, seed: int = 0) -> torch.nn.Module:
+def tiny_moe(aux: bool, seed: int = 0, **extra) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(
+    config = transformers.Qwen3MoeConfig(**extra,
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, output_router_logits=aux, router_aux_loss_coef=0.5, tie_word_embeddings=False,

@@ -15,6 +15,7 @@ package does not need it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -237,13 +238,13 @@ def _decoder(model: nn.Module, split: bool = False) -> list[nn.Module]:
     return stages
 
 
-PRESETS: dict[str, Callable[[nn.Module, bool], list[nn.Module]]] = {
+PRESETS: dict[str, Callable[..., list[nn.Module]]] = {
     "LlamaForCausalLM": _decoder,
     "Qwen3ForCausalLM": _decoder,
     "Qwen3MoeForCausalLM": _decoder,
 }
-"""Architecture (class name) to the function building its layer sequence (the flag: split each decoder
-block into an attention layer and an MLP layer)."""
+"""Architecture (class name) to the function building its layer sequence: ``preset(model)``; a preset
+that can split each decoder block into an attention layer and an MLP layer also takes ``split=True``."""
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -275,10 +276,18 @@ def build_layers(model: nn.Module, split_decoder_layers: bool = False) -> list[n
     if name not in PRESETS:
         raise ValueError(
             f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. Add one to"
-            " `lightning_roundpipe.models.hf.PRESETS` (a function returning the model's layers as modules), or"
+            " `lightning_roundpipe.models.hf.PRESETS` (a function of the model returning its layers as modules), or"
             " keep the model as an `nn.Sequential` and train it with `lightning_roundpipe.pipeline_loss`."
         )
-    return PRESETS[name](hf, split_decoder_layers)
+    preset = PRESETS[name]
+    if not split_decoder_layers:
+        return preset(hf)
+    if "split" not in inspect.signature(preset).parameters:
+        raise ValueError(
+            f"the {name} preset cannot split decoder layers (its function takes no `split` argument); use"
+            " RoundPipeStrategy(split_decoder_layers=False) or give the preset a `split` keyword"
+        )
+    return preset(hf, split=True)
 
 
 def plain_inputs(attention_mask: Tensor | None, position_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:

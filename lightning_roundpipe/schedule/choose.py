@@ -1,12 +1,15 @@
-"""The automatic plan: of the partitioner's near-optimal plans, the one the simulator finds fastest.
+"""Of the partitioner's near-optimal plans, the one the simulator finds fastest.
 
 The partitioner minimises the paper's objective ``(M * S + N * (N - 1)) * t_max``, a proxy for the
 iteration time. The proxy misses what the simulator models: a larger fused stage recomputes less, and
 stages of unequal time leave workers waiting depending on where they fall in the round-robin order.
-On the Qwen3-1.7B and Llama-8B costs measured on an H200 (8 workers, 16 micro-batches) the plan with
-the best objective was 11% slower per iteration than another plan within 8% of that objective. So the
-engine simulates the best plan of each stage count near the optimum (a few milliseconds each) and
-keeps the one with the shortest steady-state iteration; the objective's own plan is always among them.
+On the Llama-8B-shaped costs measured on an H200 (8 workers, 16 micro-batches) the plan with the best
+objective was 12% slower per iteration (the other plan's period 11% shorter) than a plan within 8% of
+that objective. :func:`fastest_plan` simulates the best plan of each stage count near the optimum (a
+few milliseconds each) and keeps the one with the shortest steady-state iteration; the objective's own
+plan is always among them. The engine does not use it yet: it keeps :func:`partition`'s plan until GPU
+runs at several workers confirm the simulator's asynchronous model for such plans (see
+docs/architecture.md).
 """
 
 from __future__ import annotations

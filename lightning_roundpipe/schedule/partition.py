@@ -156,9 +156,9 @@ def near_optimal(
         if key not in found or candidate.objective < found[key].objective:
             found[key] = candidate
 
-    slots = count(len(candidates) - 1)  # the fewest
+    slots, most = count(len(candidates) - 1), count(0)  # the fewest; the most any candidate needs
     # no t is below the smallest candidate, so from here on more slots only cost more
-    while objective(slots, candidates[0], microbatches, workers) <= bound:
+    while slots <= most and objective(slots, candidates[0], microbatches, workers) <= bound:
         lo, hi = 0, len(candidates) - 1  # the first candidate that packs into at most ``slots``
         while lo < hi:
             mid = (lo + hi) // 2
