@@ -49,9 +49,10 @@ for step in "${steps[@]}"; do
     moe) run moe-lora 480 python benchmarks/moe_lora.py --out "$OUT/moe-lora.json" ;;
     throughput-fused-2-3)  # issue 3: between 1 fused block (0.880 of plain, 0.185 of its memory) and 4 (0.905, 0.388)
       run throughput-fused-2 300 python benchmarks/throughput.py --configs plain,roundpipe-priority --fused-blocks 2 \
-        --out "$OUT/throughput-fused-2.json"
+        --profile "$OUT/prof" --out "$OUT/throughput-fused-2.json"  # kernel and copy busy fractions: where the 10% goes
       run throughput-fused-3 200 python benchmarks/throughput.py --configs roundpipe-priority --fused-blocks 3 \
-        --out "$OUT/throughput-fused-3.json" ;;
+        --out "$OUT/throughput-fused-3.json"
+      tar czf "$OUT/throughput-fused-profiles.tgz" -C "$OUT" prof && rm -rf "$OUT/prof" ;;  # one file back, not many
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background
