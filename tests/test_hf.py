@@ -200,15 +200,7 @@ def test_split_blocks_of_sliding_window_and_mixed_moe_models_equal_the_model_run
         model = transformers.Qwen3ForCausalLM(config)
     else:
         model = tiny_moe(aux=True, mlp_only_layers=[0])
-    reference = copy.deepcopy(model)
-    batch = padded_batch()
-    loss, grads = engine_loss_and_grads(model, batch, workers=1, mbs=1, split=True)  # (aux loss of the whole batch)
-    want = reference(**batch)
-    want.loss.backward()
-    assert relative_error(loss, want.loss.detach()) <= 1e-5
-    for name, p in reference.named_parameters():
-        if p.grad is not None:
-            assert relative_error(grads[name], p.grad) <= 1e-5, name
+    assert_equals_the_model_run_directly(model, workers=1, mbs=1, split=True)  # (aux loss of the whole batch)
 
 
 def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):
@@ -337,17 +329,21 @@ def tiny_moe(aux: bool, seed: int = 0, **extra) -> torch.nn.Module:
     return model
 
 
-def test_moe_without_aux_loss_equals_the_whole_batch_run():
-    model = tiny_moe(aux=False)
+def assert_equals_the_model_run_directly(model: torch.nn.Module, **engine_kwargs) -> None:
+    """The engine's loss and every gradient equal the Hugging Face model's own on a padded batch."""
     reference = copy.deepcopy(model)
     batch = padded_batch()
-    loss, grads = engine_loss_and_grads(model, batch)
+    loss, grads = engine_loss_and_grads(model, batch, **engine_kwargs)
     want = reference(**batch)
     want.loss.backward()
     assert relative_error(loss, want.loss.detach()) <= 1e-5
     for name, p in reference.named_parameters():
         if p.grad is not None:
             assert relative_error(grads[name], p.grad) <= 1e-5, name
+
+
+def test_moe_without_aux_loss_equals_the_whole_batch_run():
+    assert_equals_the_model_run_directly(tiny_moe(aux=False))
 
 
 @pytest.mark.parametrize("split", [False, True])
