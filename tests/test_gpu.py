@@ -216,10 +216,11 @@ def test_chunked_loss_stage_peak_memory_is_a_fraction_of_full_logits():
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_hf_decoder_stage_runs_without_host_syncs(split):
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_decoder_stage_runs_without_host_syncs(split, padded):
     """A preset block's forward and backward never wait for the GPU (transformers' per-layer checks of
     masks and positions would), so the worker thread can run ahead of its device; nor do the halves of
-    a block under ``split_decoder_layers``."""
+    a block under ``split_decoder_layers``, nor blocks given a padding mask."""
     transformers = pytest.importorskip("transformers")
     from lightning_roundpipe.models import hf
 
@@ -230,7 +231,12 @@ def test_hf_decoder_stage_runs_without_host_syncs(split):
     model = transformers.Qwen3ForCausalLM(config)
     layers = [layer.cuda() for layer in hf.build_layers(model, split_decoder_layers=split)]
     ids = torch.randint(0, 97, (2, 16))
-    mask, positions = hf.plain_inputs(torch.ones_like(ids), torch.arange(16).expand_as(ids))
+    padding = torch.ones_like(ids)
+    if padded:
+        padding[1, -5:] = 0
+    mask, positions = hf.plain_inputs(padding, torch.arange(16).expand_as(ids))
+    assert (mask is not None) == padded
+    mask = None if mask is None else mask.cuda()
     state = layers[0]((ids.cuda(), mask, positions, ids.cuda()))
     hidden = state[0].detach().requires_grad_()
     torch.cuda.synchronize()

@@ -203,6 +203,30 @@ def test_split_blocks_of_sliding_window_and_mixed_moe_models_equal_the_model_run
     assert_equals_the_model_run_directly(model, workers=1, mbs=1, split=True)  # (aux loss of the whole batch)
 
 
+def test_padded_batches_skip_transformers_device_check_for_the_causal_shortcut(monkeypatch):
+    """With padding in the mask, SDPA's ``is_causal`` shortcut cannot apply, and testing the mask for it
+    on the GPU costs a host sync per block: the stages tell transformers not to (same numbers, see the
+    padded-batch tests above)."""
+    from transformers import masking_utils
+
+    calls = []
+    real = masking_utils.create_causal_mask
+
+    def spy(*args, allow_is_causal_skip=True, **kwargs):  # the flag in the signature, as transformers has it
+        calls.append(allow_is_causal_skip)
+        return real(*args, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "create_causal_mask", spy)
+    layers = hf.build_layers(tiny("qwen3"))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    for mask, want in ((torch.tensor([[1] * 8, [1] * 5 + [0] * 3]), False), (None, True)):
+        calls.clear()
+        state = layers[0]((ids, mask, None, ids))
+        for layer in layers[1:-1]:
+            state = layer(state)
+        assert calls == [want] * 3
+
+
 def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):
     """Presets registered as ``preset(model)`` keep working; asking them to split is a clear error."""
     model = tiny("qwen3")

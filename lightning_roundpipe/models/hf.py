@@ -15,6 +15,7 @@ package does not need it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -133,13 +134,25 @@ def _attention_inputs(
     from transformers import masking_utils
 
     make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    # A padding mask next to plain positions has padding in it (`plain_inputs` drops all-ones masks), so
+    # the SDPA shortcut to `is_causal` cannot apply; transformers would still test the mask for it on
+    # the device in every block, a host sync each time. Where it takes the flag, it is told not to.
+    skip = {"allow_is_causal_skip": False} if attention_mask is not None and position_ids is None else {}
+    if skip and not _takes_causal_skip_flag(make_mask):
+        skip = {}
     # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
     # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
-    mask = make_mask(config, hidden, attention_mask, None, position_ids=position_ids)
+    mask = make_mask(config, hidden, attention_mask, None, position_ids=position_ids, **skip)
     positions = position_ids
     if positions is None:
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
     return mask, positions, rotary_emb(hidden, positions)
+
+
+@functools.cache
+def _takes_causal_skip_flag(make_mask: Callable[..., Any]) -> bool:
+    """Whether this transformers release's mask function has ``allow_is_causal_skip``."""
+    return "allow_is_causal_skip" in inspect.signature(make_mask).parameters
 
 
 class _RouterLogits(list):
