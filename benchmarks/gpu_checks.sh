@@ -10,7 +10,7 @@
 #        baselines-24gib (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
-#        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks)
+#        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) hf-padded (the preset with a padding mask)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
@@ -89,6 +89,8 @@ for step in "${steps[@]}"; do
       start=$([ "$config" = roundpipe ] || [ "$config" = fsdp-offload ] && echo 65536 || echo 32768)
       run "$step" 560 python benchmarks/baselines.py --max-seq "$config" --gpu-gib 24 --seq-len "$start" \
         --seq-step 16384 --probe-timeout 150 --out "$OUT/$step.json" ;;
+    hf-padded) run hf-padded 300 python benchmarks/hf_preset.py --configs preset,preset-padded --steps 3 \
+      --out "$OUT/hf-padded.json" ;;  # a padding mask no longer costs a host sync per block
     pcie) run pcie 60 python benchmarks/pcie.py --out "$OUT/pcie.json" ;;
     scaling-1.7b) run scaling-1.7b 300 python benchmarks/scaling.py --models qwen3-1.7b --out "$OUT/scaling-1.7b.json" ;;
     scaling-1.7b-mb4) run scaling-1.7b-mb4 300 python benchmarks/scaling.py --models qwen3-1.7b --micro-batch 4 \
