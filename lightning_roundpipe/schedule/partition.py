@@ -290,7 +290,8 @@ class _Packer:
                     f" micro-batch {c.backward_activations[i] / 2**30:.2f} GiB kept and"
                     f" {c.backward_transients[i] / 2**30:.2f} GiB transient, weights and gradients counted twice"
                     f" for prefetch) but the limit is {self.limit / 2**30:.2f} GiB. Use smaller micro-batches, a"
-                    " device with more memory, or split the layer."
+                    " device with more memory, or split the layer (a Hugging Face model's decoder layers:"
+                    " RoundPipeStrategy(split_decoder_layers=True))."
                 )
         return f"no plan fits the memory limit of {self.limit / 2**30:.2f} GiB"
 
