@@ -183,6 +183,9 @@ def main() -> None:
             "fit_s": wall,
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
+            # each step's own wall time (batch end to batch end): the busy fractions above are taken over
+            # a 4-step window, so a one-off in one step shows in four of them; these show where it was
+            "step_wall_s": [b - a for a, b in zip(module.ends, module.ends[1:])],
             "main_thread": main_thread,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
