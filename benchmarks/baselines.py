@@ -252,6 +252,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_s_with_drain": with_drain,
             "drain_s": clock.drained - clock.stamps[-1],
             "step_s": seconds / timed,
+            "step_times_s": [b - a for a, b in zip(clock.stamps, clock.stamps[1:])],  # a one-off shows here
             "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
             "peak_gpu_gib": max(peaks, default=0.0),
             "peak_gpu_gib_per_device": peaks,
