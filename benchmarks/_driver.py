@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,19 @@ def run_configs(
         results.append(result)
         print(f"{config}: done in {result['wall_s']:.0f} s", flush=True)
     return results
+
+
+def run_or_drive(
+    script: str, args: argparse.Namespace, run_one: Callable[[argparse.Namespace], dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """The two ways a benchmark script runs: ``--run CONFIG`` measures one configuration in this process
+    and prints its ``RESULT`` line (returns ``None``); otherwise every ``--configs`` entry runs in a fresh
+    process of ``script`` with the same options, and their results come back."""
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return None
+    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
+    return run_configs(script, args.configs.split(","), shared, timeout=getattr(args, "config_timeout", 0) or None)
 
 
 def write(out: str | None, argv: list[str], script: str, results: list[dict[str, Any]]) -> None:

@@ -11,7 +11,6 @@ backward tokens/s of each and their ratio (target: the preset within 5% of the h
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_configs, write
+from _driver import run_or_drive, write
 from qwen3_shape import SHAPES, build, init, init_hf, num_parameters
 from throughput import batch, default_plan
 
@@ -125,11 +124,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if args.run:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+    results = run_or_drive(__file__, args, run_one)
+    if results is None:  # this process measured one configuration
         return
-    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
-    results = run_configs(__file__, args.configs.split(","), shared)
     by = {r["config"]: r for r in results if "error" not in r}
     for r in by.values():
         print(f"{r['config']:12} {r['tokens_per_s']:9.0f} tokens/s  {r['parameters'] / 1e9:.2f} B params")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_configs, write
+from _driver import run_or_drive, write
 from qwen3_shape import SHAPES, build, init, num_parameters
 from throughput import batch, default_plan
 
@@ -122,13 +122,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if args.run:
-        import json
-
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+    results = run_or_drive(__file__, args, run_one)
+    if results is None:  # this process measured one configuration
         return
-    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
-    results = run_configs(__file__, args.configs.split(","), shared)
     by = {r["config"]: r for r in results if "error" not in r}
     print(f"\n{'config':10} {'s/step':>8} {'tokens/s':>9}")
     for r in results:

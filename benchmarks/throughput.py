@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_configs, write
+from _driver import run_or_drive, write
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
 
@@ -290,12 +289,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    if args.run:
-        print("RESULT " + json.dumps(run_one(args)), flush=True)
+    results = run_or_drive(__file__, args, run_one)
+    if results is None:  # this process measured one configuration
         return
-
-    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
-    results = run_configs(__file__, args.configs.split(","), shared)
     for r in results:
         if "error" not in r:
             print(f"{r['config']}: {r['tokens_per_s']:.0f} tokens/s, peak GPU {r['peak_gpu_gib']:.1f} GiB")
