@@ -38,6 +38,9 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
     - ``roundpipe/handoff_s``: what the prediction charges between two batches (the host's turn, the
       first slot's wait for its casts and its upload; see ``PipelineEngine.handoff``)
     - ``roundpipe/stages``: slots per round in the current plan
+    - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
+      automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
+      a row the layers are measured again
     - ``roundpipe/h2d_gbps``, ``roundpipe/d2h_gbps``: host-to-device and device-to-host bandwidth
       since the previous log
     - ``roundpipe/gpu_memory_gib_worker{i}``: memory in use on worker ``i``'s GPU (NVML)
@@ -108,6 +111,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/host_gap"] = engine.host_gap
         if engine.handoff is not None:
             metrics["roundpipe/handoff_s"] = engine.handoff
+        if engine.drift is not None:
+            metrics["roundpipe/drift"] = engine.drift
         now, moved = time.perf_counter(), engine.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9

@@ -67,10 +67,10 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact():
         # against the median of the others: on 2 busy cores one fast layer's sample can catch a stall
         assert costs.forward[4] > 5 * statistics.median(costs.forward[i] for i in range(8) if i != 4)
         assert costs.backward[4] > 5 * statistics.median(costs.backward[i] for i in range(8) if i != 4)
-        # the plan is the partitioner's answer for the measured costs (its optimality is tested elsewhere)
-        from lightning_roundpipe.schedule.partition import partition
+        # the plan is the planner's answer for the measured costs (its optimality is tested elsewhere)
+        from lightning_roundpipe.schedule.choose import fastest_plan
 
-        assert engine.plan == partition(costs, 2, engine.num_microbatches).plan
+        assert engine.plan == fastest_plan(costs, 2, engine.num_microbatches, asynchronous=False).plan
         assert engine.predicted_bubble is not None and 0 <= engine.predicted_bubble < 1
     finally:
         engine.close()
@@ -102,6 +102,90 @@ def test_drifting_costs_bring_a_new_measurement_and_plan():
     finally:
         _SLOW.update(layer=4, seconds=0.02)
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_stage_times_off_the_layer_sums_from_the_start_do_not_churn():
+    """Stages of several layers need not run at the sum of their layers' times (on a GPU: launch gaps,
+    waits for chunked uploads). An offset present from the plan's first batches is the plan's own
+    pace: measuring again would give the same costs and plan, and measure again, forever (seen on 2
+    H200s: the profiling plan every six steps). Drift is judged against the plan's first times."""
+    _SLOW.update(layer=4, seconds=0.02)
+    engine = PipelineEngine(
+        list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=1, replan_margin=0.5,
+    )  # fmt: skip
+    try:
+        engine.train_batch(*batch(0), F.mse_loss)
+        costs, plan = engine.layer_costs, engine.plan
+        assert costs is not None and plan != LayerProfile.plan(8)
+        _SLOW.update(seconds=0.08)  # four times the profiled cost on the plan's every batch
+        for s in range(6):
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.layer_costs is costs and engine.plan == plan  # not measured again
+        assert engine.drift is not None and engine.drift < 0.5
+    finally:
+        _SLOW.update(layer=4, seconds=0.02)
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_batches_recorded_for_a_monitor_are_not_drift_checks():
+    """A monitor logging every step records every batch; the drift check keeps its own cadence."""
+    _SLOW.update(layer=4, seconds=0.02)
+    engine = PipelineEngine(
+        list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=100, replan_margin=0.5,
+    )  # fmt: skip
+    try:
+        engine.train_batch(*batch(0), F.mse_loss)
+        costs = engine.layer_costs
+        for s in range(3):
+            engine.measure_next()
+            engine.train_batch(*batch(s), F.mse_loss)
+        _SLOW.update(seconds=0.08)
+        for s in range(4):
+            engine.measure_next()
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.busy  # they were measured
+        assert engine.layer_costs is costs and engine.drift is None  # but not checked
+    finally:
+        _SLOW.update(layer=4, seconds=0.02)
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_fastest_planner_takes_the_simulators_choice_and_stays_exact(monkeypatch):
+    from lightning_roundpipe.schedule import choose
+    from lightning_roundpipe.schedule.choose import automatic_plan
+
+    asked = []
+    real = choose.fastest_plan
+    monkeypatch.setattr(choose, "fastest_plan", lambda *a, **k: asked.append(k) or real(*a, **k))
+    _SLOW.update(layer=4, seconds=0.02)
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = PipelineEngine(
+        list(net.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto", profile_steps=1,
+        microbatches_per_round=2, check_every=0, planner="fastest",
+    )  # fmt: skip
+    try:
+        for s in range(2):
+            x, y = batch(s)
+            engine.train_batch(x, y, F.mse_loss)
+            engine.store.install_grads()
+            reference.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            for p, q in zip(net.parameters(), reference.parameters()):
+                assert relative_error(p.grad, q.grad) <= 1e-5
+            engine.store.clear_grads()
+        assert engine.layer_costs is not None
+        assert asked == [{"asynchronous": False}]  # the engine's own mode is simulated
+        assert engine.plan == automatic_plan(engine.layer_costs, 2, engine.num_microbatches, planner="fastest").plan
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="planner='quickest' is not one of"):
+        PipelineEngine(list(model().children()), [WorkerDevice("cpu", 0)], plan="auto", planner="quickest")
 
 
 @pytest.mark.timeout(60)
@@ -185,5 +269,35 @@ def test_prediction_charges_the_measured_handoff_between_batches():
         assert engine.predicted_bubble > packed + 0.3
         measured = 1.0 - engine.busy[0]
         assert engine.predicted_bubble == pytest.approx(measured, abs=0.15)
+    finally:
+        engine.close()
+
+
+def test_idle_gaps_split_the_waits_by_what_came_next():
+    from lightning_roundpipe.runtime.profile import idle_gaps
+
+    rows = [  # worker 0: slot 0 twice, a 0.5 s switch, slot 1 twice with a 0.1 s wait; worker 1 alone
+        (0, "0:F0.0", 0.0, 1.0), (0, "0:F0.1", 1.0, 2.0), (0, "0:L1.0", 2.5, 3.0), (0, "0:L1.1", 3.1, 3.5),
+        (1, "0:B2.0", 0.0, 1.0), (1, "1:B2.0", 1.25, 2.0),
+    ]  # fmt: skip
+    gaps = idle_gaps(rows[::-1])  # any order
+    assert gaps["same stage"] == pytest.approx({"seconds": 0.1, "count": 2, "largest": 0.1})
+    assert gaps["next stage"] == pytest.approx({"seconds": 0.75, "count": 2, "largest": 0.5})
+
+
+@pytest.mark.timeout(120)
+def test_idle_gaps_of_a_recorded_batch_cover_the_idle_between_its_actions():
+    from lightning_roundpipe.runtime.profile import idle_gaps
+
+    engine = PipelineEngine(list(model().children()), [WorkerDevice("cpu", 0)], plan="3,3|2,3,3")
+    try:
+        engine.measure_next()
+        engine.train_batch(*batch(0), F.mse_loss)
+        rows = engine.last_timeline
+        gaps = idle_gaps(rows)
+        span = max(r[3] for r in rows) - min(r[2] for r in rows)
+        busy = sum(r[3] - r[2] for r in rows)
+        assert sum(g["count"] for g in gaps.values()) == len(rows) - 1
+        assert sum(g["seconds"] for g in gaps.values()) == pytest.approx(span - busy, abs=1e-6)
     finally:
         engine.close()

@@ -17,7 +17,8 @@ def test_monitor_logs_and_writes_files(tmp_path):
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatches=3, profile_steps=2), accelerator="cpu", devices=2,
+        strategy=RoundPipeStrategy(num_microbatches=3, profile_steps=2, check_every=2, replan_margin=10.0),
+        accelerator="cpu", devices=2,
         max_epochs=2, log_every_n_steps=2, logger=logger, callbacks=[monitor], enable_progress_bar=False,
         enable_checkpointing=False,
     )  # fmt: skip
@@ -33,6 +34,7 @@ def test_monitor_logs_and_writes_files(tmp_path):
         "roundpipe/stages",
         "roundpipe/h2d_gbps",
         "roundpipe/host_rss_gib",
+        "roundpipe/drift",
     ):
         assert key in keys, key  # fmt: skip
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]

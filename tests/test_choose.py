@@ -99,3 +99,18 @@ def test_costs_of_zero_end_the_search():
     zero = LayerCosts((0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
     assert [c.objective for c in near_optimal(zero, 2, 4)] == [partition(zero, 2, 4).objective]
     assert fastest_plan(zero, 2, 4).plan == partition(zero, 2, 4).plan
+
+
+def test_the_automatic_plan_is_the_planners_answer():
+    from lightning_roundpipe.schedule.choose import automatic_plan
+
+    for costs, workers, microbatches, _ in instances(300, seed=3):
+        fast, best = fastest_plan(costs, workers, microbatches), partition(costs, workers, microbatches)
+        if fast.plan != best.plan:
+            break
+    else:
+        pytest.fail("no instance where the planners differ")
+    assert automatic_plan(costs, workers, microbatches).plan == fast.plan
+    assert automatic_plan(costs, workers, microbatches, planner="objective").plan == best.plan
+    with pytest.raises(ValueError, match="planner='quickest'"):
+        automatic_plan(costs, workers, microbatches, planner="quickest")

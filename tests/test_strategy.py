@@ -102,6 +102,12 @@ def test_unsupported_settings_say_what_to_change():
         L.Trainer(strategy="roundpipe", precision="bf16-true", **CPU)
     with pytest.raises(ValueError, match="num_microbatches=0"):
         RoundPipeStrategy(num_microbatches=0)
+    with pytest.raises(ValueError, match=r"planner='quick'\) must be one of \('objective', 'fastest'\)"):
+        RoundPipeStrategy(planner="quick")
+    with pytest.raises(ValueError, match="replan_margin above 0"):
+        RoundPipeStrategy(replan_margin=0)
+    with pytest.raises(ValueError, match="check_every must be at least 0"):
+        RoundPipeStrategy(check_every=-1)
 
 
 def test_model_without_a_sequential_is_refused():

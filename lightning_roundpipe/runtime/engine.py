@@ -47,8 +47,8 @@ from lightning_roundpipe.runtime.profile import (
 )
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, WorkerPool
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
-from lightning_roundpipe.schedule.partition import LayerCosts, partition
-from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
+from lightning_roundpipe.schedule.choose import PLANNERS, automatic_plan
+from lightning_roundpipe.schedule.partition import LayerCosts
 from lightning_roundpipe.schedule.simulate import simulate
 
 
@@ -62,8 +62,10 @@ class PipelineEngine:
         plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`; ``"auto"`` measures the layers
             for ``profile_steps`` batches (one layer per stage), then partitions them (see
             :mod:`~lightning_roundpipe.schedule.partition`), and measures stage times every
-            ``check_every`` batches: when they drift from the prediction by more than
-            ``replan_margin`` twice in a row, it measures and partitions again.
+            ``check_every`` batches: when they drift by more than ``replan_margin`` from those the
+            plan first measured, twice in a row, it measures and partitions again.
+        planner: how ``"auto"`` picks its plan from the measured costs (see
+            :func:`~lightning_roundpipe.schedule.choose.automatic_plan`).
         microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
         num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
         compute_dtype: dtype of the parameters uploaded to workers (``None``: the master's dtype).
@@ -105,6 +107,7 @@ class PipelineEngine:
         profile_steps: int = 2,
         replan_margin: float = 0.25,
         check_every: int = 50,
+        planner: str = "fastest",
         memory_limit: float | None = None,
         double_buffer: bool | str = False,
     ) -> None:
@@ -125,6 +128,9 @@ class PipelineEngine:
         self.profile_steps = profile_steps
         self.replan_margin = replan_margin
         self.check_every = check_every
+        if planner not in PLANNERS:
+            raise ValueError(f"planner={planner!r} is not one of {PLANNERS}")
+        self.planner = planner
         self.memory_limit = memory_limit
         self.layer_costs: LayerCosts | None = None
         """Measured per-layer costs (after profiling), what the plan was computed from."""
@@ -144,6 +150,11 @@ class PipelineEngine:
         self._profile: LayerProfile | None = LayerProfile(len(layers)) if self.auto_plan else None
         self._recording: list[Flight] = []
         self._drifted = 0
+        self.drift: float | None = None
+        """At the last check, how far stage times moved from those first measured on the plan
+        (relative to the slowest stage); ``replan_margin`` twice in a row measures the layers again."""
+        self._reference: list[float] | None = None  # the plan's stage times at its first check
+        self._plan_since = 0  # the first call on the current plan
         self._record_next = False
         self._submitted: dict[int, float] = {}  # call -> when it was submitted (recent calls only)
         self.handoff: float | None = None
@@ -288,6 +299,7 @@ class PipelineEngine:
         self._profile = LayerProfile(len(self.layers))
         self.plan = LayerProfile.plan(len(self.layers))
         self._drifted = 0
+        self._reference = None
 
     def measure_next(self) -> None:
         """Record the next batch's compute times (for :attr:`busy` and drift checks)."""
@@ -337,14 +349,38 @@ class PipelineEngine:
                 self.layer_costs = self._profile.costs(self.store)
                 self._profile = None
                 self._set_plan(
-                    partition(self.layer_costs, self.num_workers, self.num_microbatches, self.memory_limit).plan
-                )
+                    automatic_plan(
+                        self.layer_costs, self.num_workers, self.num_microbatches, self.memory_limit,
+                        self.planner, self.asynchronous,
+                    ).plan
+                )  # fmt: skip
             return
-        if self.layer_costs is not None and self.auto_plan and flight.schedule.plan == self.plan:
-            off = drift(stage_times(flight), stage_times_of_plan(self.layer_costs, self.plan))
-            self._drifted = self._drifted + 1 if off > self.replan_margin else 0
+        if self._is_check(flight):
+            # against the plan's own first measurement, not the sums of per-layer costs: a stage of
+            # several layers runs at its own pace (launch gaps, waits for chunked uploads), and a
+            # fixed offset from the sums would measure, partition and land on the same plan forever
+            times = stage_times(flight)
+            if self._reference is None:
+                slots = range(self.plan.num_slots)
+                # not the plan's first batch (allocations, first casts)
+                if flight.call > self._plan_since and all(times.get(slot) for slot in slots):
+                    self._reference = [median(times[slot]) for slot in slots]
+                return
+            self.drift = drift(times, self._reference)
+            self._drifted = self._drifted + 1 if self.drift > self.replan_margin else 0
             if self._drifted >= 2:
                 self.replan()
+
+    def _is_check(self, flight: Flight) -> bool:
+        """A batch recorded for the drift check (every ``check_every``), on the current automatic plan.
+        Batches recorded for a monitor do not count: drift is judged at the engine's own cadence."""
+        return (
+            self.layer_costs is not None
+            and self.auto_plan
+            and self.check_every > 0
+            and flight.call % self.check_every == 0
+            and flight.schedule.plan == self.plan
+        )
 
     def _period(self, call: int) -> float | None:
         """The step time a batch's busy fraction is taken over: the mean interval between submissions
@@ -362,6 +398,7 @@ class PipelineEngine:
     def _set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
         self.plan = plan
+        self._reference, self._drifted, self._plan_since = None, 0, self.calls
         self._first_uploads.clear()  # another first slot
         self.handoff = None
         self._predict()

@@ -9,11 +9,12 @@ times are that layer's; under any plan they give stage times and each worker's b
 from __future__ import annotations
 
 from collections import defaultdict
-from statistics import fmean
+from statistics import fmean, median
 
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.schedule.actions import Action
 from lightning_roundpipe.schedule.partition import LayerCosts
 from lightning_roundpipe.schedule.plan import StagePlan
 
@@ -40,6 +41,30 @@ def timeline(flight: Flight) -> list[tuple[int, str, float, float]]:
             begin = offset + WorkerDevice.since(reference, start)
             out.append((worker, str(action), begin, begin + WorkerDevice.elapsed(start, end)))
     return sorted(out, key=lambda row: (row[0], row[2]))
+
+
+def idle_gaps(rows: list[tuple[int, str, float, float]]) -> dict[str, dict[str, float]]:
+    """Where a worker's device sat idle inside a recorded batch (rows as from :func:`timeline`): the
+    gaps between its consecutive compute actions, summed by what came next, ``"same stage"`` (the next
+    micro-batch of the slot just run: its input or the host issuing it was late) or ``"next stage"``
+    (the first micro-batch of another slot: its weights, its input, or the switch itself). Each entry
+    holds ``seconds``, ``count`` and the ``largest`` gap. An action's time starts after its waits, so
+    the gaps hold every wait of the compute stream."""
+    out: dict[str, dict[str, float]] = {}
+    last: dict[int, tuple[str, float]] = {}
+    for worker, text, start, end in sorted(rows, key=lambda row: (row[0], row[2])):
+        action = Action.parse(text)
+        slot = f"{action.round}:{action.slot}"
+        if worker in last:
+            previous_slot, previous_end = last[worker]
+            kind = "same stage" if slot == previous_slot else "next stage"
+            gap = max(0.0, start - previous_end)
+            entry = out.setdefault(kind, {"seconds": 0.0, "count": 0, "largest": 0.0})
+            entry["seconds"] += gap
+            entry["count"] += 1
+            entry["largest"] = max(entry["largest"], gap)
+        last[worker] = (slot, end)
+    return out
 
 
 def stage_times(flight: Flight) -> dict[int, list[float]]:
@@ -96,8 +121,9 @@ class LayerProfile:
         """Mean times per layer and memory from the store; the last layer's forward is its recompute
         (it only runs in the fused stage, where forward and recompute are one)."""
         L = self.num_layers
-        forward = [fmean(self.forward[i]) if self.forward[i] else fmean(self.recompute[i]) for i in range(L)]
-        backward = [fmean(self.recompute[i]) + fmean(self.backward[i]) for i in range(L)]
+        # medians: the first micro-batches of a run carry one-offs (library handles, allocator growth)
+        forward = [median(self.forward[i]) if self.forward[i] else median(self.recompute[i]) for i in range(L)]
+        backward = [median(self.recompute[i]) + median(self.backward[i]) for i in range(L)]
         params, grads = layer_bytes(store)
         acts = [int(fmean(self.activations[i])) for i in range(L)]
         # memory peaks: the largest seen (a limit must hold for every micro-batch), 0 where not measured
@@ -120,13 +146,14 @@ def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:
     return params, grads
 
 
-def drift(measured: dict[int, list[float]], predicted: list[float]) -> float:
-    """How far measured stage times moved from the prediction, relative to the slowest predicted stage
-    (so noise in tiny stages does not count, a stage becoming a bottleneck does)."""
-    scale = max(predicted) if predicted else 0.0
+def drift(measured: dict[int, list[float]], reference: list[float]) -> float:
+    """How far measured stage times (the median over micro-batches) moved from the reference, relative
+    to the slowest reference stage (so noise in tiny stages does not count, a stage becoming a
+    bottleneck does)."""
+    scale = max(reference) if reference else 0.0
     if scale <= 0:
         return 0.0
     return max(
-        (abs(fmean(measured[slot]) - want) / scale for slot, want in enumerate(predicted) if measured.get(slot)),
+        (abs(median(measured[slot]) - want) / scale for slot, want in enumerate(reference) if measured.get(slot)),
         default=0.0,
     )
