@@ -31,6 +31,7 @@ from qwen3_shape import SHAPES, Shape, build, init
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipeMonitor, RoundPipeStrategy
+from lightning_roundpipe.runtime.profile import idle_gaps
 
 
 class Tokens(Dataset):
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--planner", default="objective", choices=("objective", "fastest"))
     p.add_argument("--plan", default="auto", help='"auto" or an explicit plan such as "3,3|5,1,1"')
     p.add_argument("--steps", type=int, default=12)
     p.add_argument(
@@ -104,6 +106,7 @@ def main() -> None:
             num_microbatches=args.microbatches,
             plan=args.plan,
             profile_steps=args.profile_steps,
+            planner=args.planner,
             double_buffer=args.double_buffer,
         )
         trainer = L.Trainer(
@@ -130,6 +133,7 @@ def main() -> None:
                     "in_step": float(r.get("roundpipe/bubble_in_step") or "nan"),
                     "host_gap": float(r.get("roundpipe/host_gap") or "nan"),
                     "handoff_s": float(r.get("roundpipe/handoff_s") or "nan"),
+                    "drift": float(r.get("roundpipe/drift") or "nan"),
                     "busy": [float(v) for k, v in sorted(r.items()) if k.startswith("roundpipe/busy_worker") and v],
                 }
             )
@@ -140,6 +144,10 @@ def main() -> None:
         idle = " ".join(f"{1 - b:.3f}" for b in s["busy"])
         print(f"{s['step']:4d} {s['measured']:9.3f} {s['in_step']:8.3f} {s['host_gap']:8.3f}"
               f" {s['predicted']:9.3f} {s['handoff_s']:9.3f}  {idle}")  # fmt: skip
+    gaps = idle_gaps(module.timeline) if module.timeline else {}
+    for kind, g in gaps.items():
+        print(f"last measured step, idle before a {kind} action: {g['seconds']:.3f} s in {g['count']:.0f}"
+              f" (largest {1e3 * g['largest']:.1f} ms)")  # fmt: skip
     if args.timeline and module.timeline:
         from lightning_roundpipe.callbacks import write_timeline
 
@@ -153,7 +161,9 @@ def main() -> None:
         "between_batches_s": sum(b - e for e, b in zip(module.ends[-k - 1 : -1], module.starts[-k:])) / k,
     }
     print("main thread per step: " + ", ".join(f"{key} {v:.3f}" for key, v in main_thread.items()))
-    last = module.ends[-4:]
+    # the second half of the steps, up to 10: on several GPUs step times alternate (2.4 and 2.9 s
+    # measured on 2 H200s), so a window of three depends on where it starts
+    last = module.ends[-1 - max(3, min(10, (len(module.ends) - 1) // 2)) :]
     step_s = (last[-1] - last[0]) / (len(last) - 1)
     tokens_per_s = args.seqs * args.seq_len / step_s
     print(f"last {len(last) - 1} steps: {step_s:.3f} s/step, {tokens_per_s:.0f} tokens/s")
@@ -187,6 +197,7 @@ def main() -> None:
             # a 4-step window, so a one-off in one step shows in four of them; these show where it was
             "step_wall_s": [b - a for a, b in zip(module.ends, module.ends[1:])],
             "main_thread": main_thread,
+            "idle_gaps": gaps,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "results": result}, indent=1))

@@ -4,10 +4,10 @@
 # pick the steps that fit, e.g.
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
-# Steps: tests soak bubble bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
+# Steps: tests soak bubble bubble-planners bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
 #        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
-#        baselines-24gib (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
+#        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) hf-padded (the preset with a padding mask)
@@ -35,6 +35,11 @@ for step in "${steps[@]}"; do
     tests) run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py ;;
     soak) run soak 420 python benchmarks/soak.py --out "$OUT/soak.json" ;;
     bubble) run bubble 150 python benchmarks/bubble_check.py --steps 20 --out "$OUT/bubble.json" ;;
+    bubble-planners)  # several GPUs: the automatic plan of each planner (measured 2026-11-30 on 2: about 80 s each)
+      for planner in objective fastest; do
+        run "bubble-$planner" 170 python benchmarks/bubble_check.py --devices "$GPUS" --seqs $((32 * GPUS)) \
+          --microbatches $((8 * GPUS)) --steps 20 --planner "$planner" --out "$OUT/bubble-$planner.json"
+      done ;;
     bubble-all) run bubble-all 150 python benchmarks/bubble_check.py --devices "$GPUS" --steps 20 \
       --timeline "$OUT/timeline-all.json" --out "$OUT/bubble-all.json" ;;
     bubble-all-db|bubble-all-dbf) buffering=$([ "$step" = bubble-all-db ] && echo all || echo first)
@@ -69,15 +74,18 @@ for step in "${steps[@]}"; do
       [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"; tail -n 3 "$OUT/ds-setup.log"
       run baselines-1.7b-b 320 python benchmarks/baselines.py --configs zero2-offload,zero3-offload \
         --config-timeout 200 --out "$OUT/baselines-1.7b-b.json" ;;
-    baselines-24gib) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
-      run baselines-24gib 480 python benchmarks/baselines.py --configs roundpipe,fsdp-offload,zero2-offload,zero3-offload \
-        --gpu-gib 24 --config-timeout 115 --out "$OUT/baselines-24gib.json" ;;
+    baselines-24gib)  # measured 2026-11-30: roundpipe and fsdp-offload about 100 s each
+      run baselines-24gib 300 python benchmarks/baselines.py --configs roundpipe,fsdp-offload \
+        --gpu-gib 24 --config-timeout 140 --out "$OUT/baselines-24gib.json" ;;
+    baselines-24gib-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"  # zero2-offload took 123 s (2026-11-30)
+      run baselines-24gib-zero 440 python benchmarks/baselines.py --configs zero2-offload,zero3-offload \
+        --gpu-gib 24 --config-timeout 210 --out "$OUT/baselines-24gib-zero.json" ;;
     baselines-4b)  # building and pinning 4 B parameters and tearing them down take about a minute per config
       run baselines-4b 580 python benchmarks/baselines.py --model qwen3-4b --configs plain,roundpipe,fsdp-offload \
-        --config-timeout 190 --out "$OUT/baselines-4b.json" ;;
+        --warmup 4 --config-timeout 190 --out "$OUT/baselines-4b.json" ;;
     baselines-4b-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
       run baselines-4b-zero 580 python benchmarks/baselines.py --model qwen3-4b --configs zero2-offload,zero3-offload \
-        --config-timeout 285 --out "$OUT/baselines-4b-zero.json" ;;
+        --warmup 4 --config-timeout 285 --out "$OUT/baselines-4b-zero.json" ;;
     maxseq24-roundpipe-split) run "$step" 560 python benchmarks/baselines.py --max-seq roundpipe --split-blocks \
       --gpu-gib 24 --seq-len 131072 --seq-step 16384 --probe-timeout 200 --out "$OUT/$step.json" ;;
     baselines-split)  # roundpipe with each block as two layers, on the full card and on 24 GiB: what the split costs

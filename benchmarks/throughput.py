@@ -58,6 +58,7 @@ def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, float]:
 
     if out_dir:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile-{name}.txt").write_text(table)
     return {"kernel_busy": union(kernels) / wall_us, "copy_busy": union(copies) / wall_us, "profiled_s": wall_us / 1e6}
 
@@ -150,6 +151,7 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
 def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimizer_steps: int) -> dict[str, Any]:
     from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
+    from lightning_roundpipe.runtime.profile import idle_gaps
     from lightning_roundpipe.schedule import StagePlan
 
     if args.device == "cuda":
@@ -212,6 +214,14 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
             "store_bytes_per_param": engine.store.nbytes() / params,
             "pinned_gib": engine.pool.pinned_bytes / GiB,
         }
+        # one more step with the engine's timers: the device's idle between its actions, by what came next
+        engine.measure_next()
+        step(998)
+        engine.store.clear_grads()
+        rows = engine.last_timeline
+        result["recorded_step_s"] = max(r[3] for r in rows) - min(r[2] for r in rows)
+        result["recorded_busy_s"] = sum(r[3] - r[2] for r in rows)
+        result["idle_gaps"] = idle_gaps(rows)
         if args.profile:
             result.update(profile_step(lambda: step(999), args.profile, args.run))
             engine.store.clear_grads()
@@ -295,6 +305,13 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"{r['config']}: {r['tokens_per_s']:.0f} tokens/s, peak GPU {r['peak_gpu_gib']:.1f} GiB")
+            if "idle_gaps" in r:
+                gaps = ", ".join(
+                    f"{kind} {g['seconds']:.3f} s in {g['count']:.0f} (largest {1e3 * g['largest']:.1f} ms)"
+                    for kind, g in r["idle_gaps"].items()
+                )
+                step_s, busy_s = r["recorded_step_s"], r["recorded_busy_s"]
+                print(f"  a recorded step: {step_s:.3f} s, busy {busy_s:.3f} s; idle: {gaps}")
 
     plain = next((r for r in results if r.get("config") == "plain" and "error" not in r), None)
     for r in results:
