@@ -10,7 +10,7 @@
 #        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
-#        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) hf-padded (the preset with a padding mask)
+#        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
@@ -58,6 +58,9 @@ for step in "${steps[@]}"; do
       run throughput-fused-3 200 python benchmarks/throughput.py --configs roundpipe-priority --fused-blocks 3 \
         --out "$OUT/throughput-fused-3.json"
       tar czf "$OUT/throughput-fused-profiles.tgz" -C "$OUT" prof && rm -rf "$OUT/prof" ;;  # one file back, not many
+    throughput-gaps)  # issue 3: 3 fused blocks (0.894 of plain at 0.30 of its memory), where the device idles
+      run throughput-gaps 420 python benchmarks/throughput.py --fused-blocks 3 \
+        --configs plain,roundpipe-priority,roundpipe-priority@max_inflight=6 --out "$OUT/throughput-gaps.json" ;;
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background
