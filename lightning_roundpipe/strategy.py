@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only as _fabric_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_roundpipe import api
@@ -101,6 +103,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             attention and MLP (same arithmetic). One stage then holds about half a block's activations,
             so longer sequences fit, and the partitioner balances stages at a finer grain. Costs a
             stage boundary (the hidden states, host round trip included) per block.
+        timeout: with ``num_nodes > 1``, how long a collective between nodes may wait for the others
+            before it fails (as for ``DDPStrategy``; default 30 minutes). A node that hangs then stops the
+            others with an error instead of holding them forever.
         evaluate_hf_in_pipeline: ``self.model(**batch)`` of a Hugging Face model in ``validation_step`` /
             ``test_step`` with labels runs forward-only through the pipeline and returns the loss only
             (``logits`` is ``None``: never materialised). ``False`` runs the model's own forward on the host
@@ -128,6 +133,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         evaluate_hf_in_pipeline: bool = True,
+        timeout: timedelta = default_pg_timeout,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -157,6 +163,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.async_optimizer = async_optimizer
         self.host_memory_check = host_memory_check
         self.evaluate_hf_in_pipeline = evaluate_hf_in_pipeline
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"RoundPipeStrategy(timeout={timeout}) must be positive")
+        self.timeout = timeout
         self.num_microbatches = num_microbatches
         self.num_rounds = num_rounds
         self.plan = StagePlan.parse(plan) if isinstance(plan, str) and plan != "auto" else plan
@@ -254,8 +263,8 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.cluster_environment.set_global_rank(self.node_rank)
         self.cluster_environment.set_world_size(self._num_nodes)
         _rank_zero_only.rank = _fabric_rank_zero_only.rank = self.node_rank
-        _init_dist_connection(self.cluster_environment, "gloo", self.node_rank, self._num_nodes)
-        self._grad_group = dist.new_group(backend="gloo")
+        _init_dist_connection(self.cluster_environment, "gloo", self.node_rank, self._num_nodes, timeout=self.timeout)
+        self._grad_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     @override
     def model_to_device(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from datetime import timedelta
 
 import lightning as L
 import torch
@@ -28,15 +30,29 @@ class DieAt(L.Callback):
             os._exit(3)
 
 
+class HangAt(L.Callback):
+    """This node's process stops making progress (alive, stuck) at a given step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            time.sleep(600)
+
+
 def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epochs: int, die_at: int = -1) -> None:
     L.seed_everything(1, verbose=False)
     different = "WIDTH_RANK" in os.environ and os.environ["WIDTH_RANK"] == os.environ.get("NODE_RANK")
     module = Logged(width=int(os.environ["WIDTH"]) if different else 16)
     clip = float(os.environ.get("CLIP", "0")) or None
     callbacks: list[L.Callback] = [DieAt(die_at)] if die_at >= 0 else []
+    if os.environ.get("HANG_RANK") == os.environ.get("NODE_RANK"):
+        callbacks.append(HangAt(int(os.environ["HANG_AT"])))
     if os.environ.get("CKPT_DIR"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.environ["CKPT_DIR"], filename="{epoch}"))
-    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer)
+    timeout = {"timeout": timedelta(seconds=float(os.environ["PG_TIMEOUT"]))} if os.environ.get("PG_TIMEOUT") else {}
+    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer, **timeout)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes, max_epochs=epochs, logger=False,
         enable_progress_bar=False, enable_checkpointing=bool(os.environ.get("CKPT_DIR")), enable_model_summary=False,

@@ -120,6 +120,24 @@ def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path, mode
     assert "Connection" in log or "connection" in log or "peer" in log, log[-2000:]
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path, mode):
+    import time
+
+    procs = start_nodes(tmp_path, 2, mode, 6, 2, env_extra={"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "5"})
+    start = time.monotonic()
+    (survivor, _), (stuck, _) = procs
+    try:
+        log, _ = survivor.communicate(timeout=150)
+    finally:
+        stuck.kill()
+        stuck.communicate()
+    assert survivor.returncode != 0, log[-2000:]
+    assert time.monotonic() - start < 150
+    assert "imed out" in log or "timeout" in log.lower(), log[-2000:]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_states(tmp_path, mode):
