@@ -163,7 +163,7 @@ def main() -> None:
     print("main thread per step: " + ", ".join(f"{key} {v:.3f}" for key, v in main_thread.items()))
     # the second half of the steps, up to 10: on several GPUs step times alternate (2.4 and 2.9 s
     # measured on 2 H200s), so a window of three depends on where it starts
-    last = module.ends[-1 - max(3, min(10, (len(module.ends) - 1) // 2)) :]
+    last = module.ends[-1 - max(3, min(10, len(module.ends) // 2)) :]
     step_s = (last[-1] - last[0]) / (len(last) - 1)
     tokens_per_s = args.seqs * args.seq_len / step_s
     print(f"last {len(last) - 1} steps: {step_s:.3f} s/step, {tokens_per_s:.0f} tokens/s")

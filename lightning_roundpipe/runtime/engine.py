@@ -49,6 +49,7 @@ from lightning_roundpipe.runtime.workers import Gate, PipelineAborted, Task, Wor
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, add_transfers, round_robin, validate
 from lightning_roundpipe.schedule.choose import PLANNERS, automatic_plan
 from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
 from lightning_roundpipe.schedule.simulate import simulate
 
 
@@ -60,8 +61,8 @@ class PipelineEngine:
             moved into the engine's host store and become views of it.
         devices: one :class:`WorkerDevice` per worker (the engine gives them its host pool).
         plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`; ``"auto"`` measures the layers
-            for ``profile_steps`` batches (one layer per stage), then partitions them (see
-            :mod:`~lightning_roundpipe.schedule.partition`), and measures stage times every
+            for ``profile_steps`` batches (one layer per stage), then plans from their costs (see
+            ``planner``), and measures stage times every
             ``check_every`` batches: when they drift by more than ``replan_margin`` from those the
             plan first measured, twice in a row, it measures and partitions again.
         planner: how ``"auto"`` picks its plan from the measured costs (see
@@ -130,6 +131,8 @@ class PipelineEngine:
         self.check_every = check_every
         if planner not in PLANNERS:
             raise ValueError(f"planner={planner!r} is not one of {PLANNERS}")
+        if replan_margin <= 0:
+            raise ValueError(f"replan_margin={replan_margin} must be above 0")
         self.planner = planner
         self.memory_limit = memory_limit
         self.layer_costs: LayerCosts | None = None
@@ -154,6 +157,7 @@ class PipelineEngine:
         """At the last check, how far stage times moved from those first measured on the plan
         (relative to the slowest stage); ``replan_margin`` twice in a row measures the layers again."""
         self._reference: list[float] | None = None  # the plan's stage times at its first check
+        self._offset_checked = False  # this plan's costs were measured again for an offset at its first check
         self._plan_since = 0  # the first call on the current plan
         self._record_next = False
         self._submitted: dict[int, float] = {}  # call -> when it was submitted (recent calls only)
@@ -356,20 +360,34 @@ class PipelineEngine:
                 )  # fmt: skip
             return
         if self._is_check(flight):
-            # against the plan's own first measurement, not the sums of per-layer costs: a stage of
-            # several layers runs at its own pace (launch gaps, waits for chunked uploads), and a
-            # fixed offset from the sums would measure, partition and land on the same plan forever
-            times = stage_times(flight)
-            if self._reference is None:
-                slots = range(self.plan.num_slots)
-                # not the plan's first batch (allocations, first casts)
-                if flight.call > self._plan_since and all(times.get(slot) for slot in slots):
-                    self._reference = [median(times[slot]) for slot in slots]
+            self._check_drift(stage_times(flight), flight.call)
+
+    def _check_drift(self, times: dict[int, list[float]], call: int) -> None:
+        """Stage times against the plan's own first timing, not against the sums of per-layer costs: a
+        stage of several layers runs at its own pace (launch gaps, waits for chunked uploads), and an
+        offset from the sums that every measurement shows would measure, partition, land on the same
+        plan and measure again forever (seen on 2 H200s). An offset at the plan's first timing gets one
+        more measurement (a slowdown right after profiling, one-offs in the first profile); what
+        remains after it is the plan's pace."""
+        if self._reference is None:
+            slots = range(self.plan.num_slots)
+            # not the plan's first batch (allocations, first casts)
+            if call <= self._plan_since or not all(times.get(slot) for slot in slots):
                 return
-            self.drift = drift(times, self._reference)
-            self._drifted = self._drifted + 1 if self.drift > self.replan_margin else 0
-            if self._drifted >= 2:
+            assert self.layer_costs is not None
+            if not self._offset_checked and drift(times, stage_times_of_plan(self.layer_costs, self.plan)) > (
+                self.replan_margin
+            ):
+                self._offset_checked = True
                 self.replan()
+                return
+            self._reference = [median(times[slot]) for slot in slots]
+            return
+        self.drift = drift(times, self._reference)
+        self._drifted = self._drifted + 1 if self.drift > self.replan_margin else 0
+        if self._drifted >= 2:
+            self._offset_checked = False  # the costs changed: their new plan gets its own second look
+            self.replan()
 
     def _is_check(self, flight: Flight) -> bool:
         """A batch recorded for the drift check (every ``check_every``), on the current automatic plan.
@@ -379,6 +397,7 @@ class PipelineEngine:
             and self.auto_plan
             and self.check_every > 0
             and flight.call % self.check_every == 0
+            and flight.call >= self._plan_since
             and flight.schedule.plan == self.plan
         )
 
@@ -398,7 +417,7 @@ class PipelineEngine:
     def _set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
         self.plan = plan
-        self._reference, self._drifted, self._plan_since = None, 0, self.calls
+        self._reference, self._drifted, self._plan_since, self.drift = None, 0, self.calls, None
         self._first_uploads.clear()  # another first slot
         self.handoff = None
         self._predict()
@@ -714,6 +733,9 @@ class PipelineEngine:
             "base_seed": self.base_seed,
             "plan": str(self.plan),
             "layer_costs": None if self.layer_costs is None else asdict(self.layer_costs),
+            "drift_reference": self._reference,
+            "drifted": self._drifted,
+            "offset_checked": self._offset_checked,
         }
         if self.asynchronous and self._cast_done.get(self.step - 1):
             stash = self._evaluation_stash or {}  # saved during validation: the copies set aside are the ones
@@ -747,10 +769,17 @@ class PipelineEngine:
             executor.base_seed = self.base_seed
         if self.auto_plan and state.get("layer_costs") is not None:
             self.layer_costs = LayerCosts(**{k: tuple(v) for k, v in state["layer_costs"].items()})
-            self._profile = None
             plan = StagePlan.parse(state["plan"])
-            if plan.num_layers == len(self.layers):
+            if plan == LayerProfile.plan(len(self.layers)):
+                self.replan()  # saved while measuring again: measure anew
+            elif plan.num_layers == len(self.layers):
+                self._profile = None
                 self._set_plan(plan)
+                # the plan's own timing, so that a resumed run (another machine, say) is judged against it
+                reference = state.get("drift_reference")
+                if reference is not None and len(reference) == plan.num_slots:
+                    self._reference, self._drifted = list(reference), int(state.get("drifted", 0))
+                self._offset_checked = bool(state.get("offset_checked", False))
         self._windows = {self.step: StepWindow(self._abort)}
         compute = state.get("compute")
         if compute is None:

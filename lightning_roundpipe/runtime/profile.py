@@ -118,7 +118,7 @@ class LayerProfile:
         self.batches += 1
 
     def costs(self, store: HostStore) -> LayerCosts:
-        """Mean times per layer and memory from the store; the last layer's forward is its recompute
+        """Median times per layer and memory from the store; the last layer's forward is its recompute
         (it only runs in the fused stage, where forward and recompute are one)."""
         L = self.num_layers
         # medians: the first micro-batches of a run carry one-offs (library handles, allocator growth)
