@@ -47,7 +47,7 @@ def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epoch
     module = Logged(width=int(os.environ["WIDTH"]) if different else 16)
     clip = float(os.environ.get("CLIP", "0")) or None
     callbacks: list[L.Callback] = [DieAt(die_at)] if die_at >= 0 else []
-    if os.environ.get("HANG_RANK") == os.environ.get("NODE_RANK"):
+    if "HANG_RANK" in os.environ and os.environ["HANG_RANK"] == os.environ.get("NODE_RANK"):
         callbacks.append(HangAt(int(os.environ["HANG_AT"])))
     if os.environ.get("CKPT_DIR"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.environ["CKPT_DIR"], filename="{epoch}"))

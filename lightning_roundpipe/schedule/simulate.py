@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_roundpipe.schedule.dispatch import round_robin
+from lightning_roundpipe.schedule.dispatch import Schedule, round_robin
 from lightning_roundpipe.schedule.partition import LayerCosts, stage_times
 from lightning_roundpipe.schedule.plan import StageKind, StagePlan
 
@@ -140,8 +140,11 @@ def roundpipe(
     first = 0
     barrier: list[int] = []
     losses: list[int] = []
+    schedules: dict[int, Schedule] = {}  # one per first worker: iterations repeat them
     for it in range(iterations):
-        schedule = round_robin(plan, workers, mb_per_round, rounds, first)
+        if first not in schedules:
+            schedules[first] = round_robin(plan, workers, mb_per_round, rounds, first)
+        schedule = schedules[first]
         first = schedule.next_first_worker
         index: dict[tuple[int, int], int] = {}
         for w, actions in enumerate(schedule.workers):
