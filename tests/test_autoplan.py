@@ -33,6 +33,14 @@ class Napping(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+@pytest.fixture(autouse=True)
+def slow_layer_four():
+    """Every test starts and ends with layer 4 sleeping 20 ms (tests change it to model drift)."""
+    _SLOW.update(layer=4, seconds=0.02)
+    yield
+    _SLOW.update(layer=4, seconds=0.02)
+
+
 def model(layers: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(Napping(i) for i in range(layers)))
@@ -57,7 +65,6 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
     asked = []
     real = choose.fastest_plan
     monkeypatch.setattr(choose, "fastest_plan", lambda *a, **k: asked.append(k) or real(*a, **k))
-    _SLOW.update(layer=4)
     net = model()
     reference = copy.deepcopy(net)
     engine = PipelineEngine(
@@ -91,7 +98,6 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
 
 @pytest.mark.timeout(120)
 def test_drifting_costs_bring_a_new_measurement_and_plan():
-    _SLOW.update(layer=4)
     net = model()
     engine = auto_engine(net, check_every=1, replan_margin=0.5)
     try:
@@ -110,7 +116,6 @@ def test_drifting_costs_bring_a_new_measurement_and_plan():
         assert after is not None and after is not before  # measured again
         assert after.forward[4] > 2 * before.forward[4]
     finally:
-        _SLOW.update(layer=4, seconds=0.02)
         engine.close()
 
 
@@ -155,13 +160,11 @@ def test_a_stage_offset_every_measurement_shows_gets_one_more_look_then_no_churn
         assert measurements(engine, 10) == 1
         assert engine.plan != LayerProfile.plan(8) and engine.drift is not None and engine.drift < 0.3
     finally:
-        _SLOW.update(layer=4, seconds=0.02)
         engine.close()
 
 
 @pytest.mark.timeout(120)
 def test_a_slowdown_right_after_profiling_is_measured_once_more():
-    _SLOW.update(layer=4, seconds=0.02)
     engine = auto_engine(check_every=1, replan_margin=0.5)
     try:
         engine.train_batch(*batch(0), F.mse_loss)
@@ -171,13 +174,11 @@ def test_a_slowdown_right_after_profiling_is_measured_once_more():
         assert measurements(engine, 8) == 1
         assert engine.layer_costs.forward[4] > 2.5 * before.forward[4]
     finally:
-        _SLOW.update(layer=4, seconds=0.02)
         engine.close()
 
 
 @pytest.mark.timeout(120)
 def test_a_resumed_run_judges_drift_against_the_saved_reference():
-    _SLOW.update(layer=4, seconds=0.02)
     net = model()
     engine = auto_engine(net, check_every=1, replan_margin=0.5)
     try:
@@ -193,14 +194,12 @@ def test_a_resumed_run_judges_drift_against_the_saved_reference():
         assert resumed.plan == StagePlan.parse(state["plan"])
         assert measurements(resumed, 4) == 1
     finally:
-        _SLOW.update(layer=4, seconds=0.02)
         resumed.close()
 
 
 @pytest.mark.timeout(120)
 def test_batches_recorded_for_a_monitor_are_not_drift_checks():
     """A monitor logging every step records every batch; the drift check keeps its own cadence."""
-    _SLOW.update(layer=4, seconds=0.02)
     engine = auto_engine(check_every=100, replan_margin=0.5)
     try:
         engine.train_batch(*batch(0), F.mse_loss)
@@ -215,7 +214,6 @@ def test_batches_recorded_for_a_monitor_are_not_drift_checks():
         assert engine.busy  # they were measured
         assert engine.layer_costs is costs and engine.drift is None  # but not checked
     finally:
-        _SLOW.update(layer=4, seconds=0.02)
         engine.close()
 
 
@@ -223,7 +221,6 @@ def test_batches_recorded_for_a_monitor_are_not_drift_checks():
 def test_the_objective_planner_takes_the_partitioners_plan():
     from lightning_roundpipe.schedule.partition import partition
 
-    _SLOW.update(layer=4, seconds=0.02)
     engine = auto_engine(check_every=0, planner="objective")
     try:
         for s in range(2):
@@ -300,7 +297,6 @@ def test_prediction_charges_the_measured_handoff_between_batches():
     the measured bubble instead of claiming a packed device."""
     from lightning_roundpipe.schedule.simulate import simulate
 
-    _SLOW.update(layer=4)
     engine = PipelineEngine(
         list(model().children()), [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1,
         microbatches_per_round=2, check_every=0,
