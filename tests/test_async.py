@@ -207,6 +207,20 @@ def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer, pl
         assert torch.equal(shaken, calm)
 
 
+def traced_steps(engine: PipelineEngine, model: nn.Module, steps: int = 4) -> list:
+    """Train ``steps`` asynchronous steps of one batch each with the engine's trace on; close it."""
+    trace = engine.record_trace()
+    opt = make_optimizer(model.parameters())
+    try:
+        for x, y in (b for [b] in batches(steps)):
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    return trace
+
+
 @pytest.mark.timeout(60)
 def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
     step = optimizer_module.OptimizerWorker._step_group
@@ -217,15 +231,7 @@ def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
     engine = PipelineEngine(
         list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2, asynchronous=True
     )
-    trace = engine.record_trace()
-    opt = make_optimizer(model.parameters())
-    try:
-        for x, y in (b for [b] in batches(4)):
-            engine.train_batch(x, y, F.mse_loss)
-            engine.submit_step(UpdateSpec.capture(opt))
-        engine.flush()
-    finally:
-        engine.close()
+    trace = traced_steps(engine, model)
     for t in range(3):
         next_step_starts = min(e[4] for e in trace if e[0] == "action" and e[2] == t + 1 and e[3][2] in "FLB")
         update_ends = [e[4] for e in trace if e[0] == "update" and e[1] == t]
@@ -248,16 +254,8 @@ def test_double_buffering_casts_an_update_without_waiting_for_the_next_steps_las
         list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
         asynchronous=True, plan=StagePlan.parse("3,3|1,1,1,1,1,1,1"), double_buffer=double_buffer,
     )  # fmt: skip
-    trace = engine.record_trace()
-    opt = make_optimizer(model.parameters())
     first = engine.store.groups_of([0])[0]
-    try:
-        for x, y in (b for [b] in batches(4)):
-            engine.train_batch(x, y, F.mse_loss)
-            engine.submit_step(UpdateSpec.capture(opt))
-        engine.flush()
-    finally:
-        engine.close()
+    trace = traced_steps(engine, model)
     last_slot = f"W{engine.plan.num_slots - 1}"  # the uploads of the last backward stage (layer 0)
     for t in range(2):
         step = [e for e in trace if e[0] == "action" and e[2] == t + 1]
