@@ -320,13 +320,16 @@ def test_prediction_charges_the_measured_handoff_between_batches():
 def test_idle_gaps_split_the_waits_by_what_came_next():
     from lightning_roundpipe.runtime.profile import idle_gaps
 
-    rows = [  # worker 0: slot 0 twice, a 0.5 s switch, slot 1 twice with a 0.1 s wait; worker 1 alone
+    rows = [  # worker 0: slot 0 twice, a 0.5 s switch, slot 1 twice with a 0.1 s wait; worker 1: 0.25 s
         (0, "0:F0.0", 0.0, 1.0), (0, "0:F0.1", 1.0, 2.0), (0, "0:L1.0", 2.5, 3.0), (0, "0:L1.1", 3.1, 3.5),
         (1, "0:B2.0", 0.0, 1.0), (1, "1:B2.0", 1.25, 2.0),
     ]  # fmt: skip
     gaps = idle_gaps(rows[::-1])  # any order
-    assert gaps["same stage"] == pytest.approx({"seconds": 0.1, "count": 2, "largest": 0.1})
-    assert gaps["next stage"] == pytest.approx({"seconds": 0.75, "count": 2, "largest": 0.5})
+    assert gaps.keys() == {"same stage, forward", "same stage, fused", "next stage, fused", "next stage, backward"}
+    assert gaps["same stage, forward"] == pytest.approx({"seconds": 0.0, "count": 1, "largest": 0.0})
+    assert gaps["same stage, fused"] == pytest.approx({"seconds": 0.1, "count": 1, "largest": 0.1})
+    assert gaps["next stage, fused"] == pytest.approx({"seconds": 0.5, "count": 1, "largest": 0.5})
+    assert gaps["next stage, backward"] == pytest.approx({"seconds": 0.25, "count": 1, "largest": 0.25})
 
 
 @pytest.mark.timeout(120)

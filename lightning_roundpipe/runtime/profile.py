@@ -45,11 +45,12 @@ def timeline(flight: Flight) -> list[tuple[int, str, float, float]]:
 
 def idle_gaps(rows: list[tuple[int, str, float, float]]) -> dict[str, dict[str, float]]:
     """Where a worker's device sat idle inside a recorded batch (rows as from :func:`timeline`): the
-    gaps between its consecutive compute actions, summed by what came next, ``"same stage"`` (the next
+    gaps between its consecutive compute actions, summed by what came next: ``"same stage"`` (the next
     micro-batch of the slot just run: its input or the host issuing it was late) or ``"next stage"``
-    (the first micro-batch of another slot: its weights, its input, or the switch itself). Each entry
-    holds ``seconds``, ``count`` and the ``largest`` gap. An action's time starts after its waits, so
-    the gaps hold every wait of the compute stream."""
+    (the first micro-batch of another slot: its weights, its input, or the switch itself), and the
+    kind of action (``"next stage, backward"``). Each entry holds ``seconds``, ``count`` and the
+    ``largest`` gap. An action's time starts after its waits, so the gaps hold every wait of the
+    compute stream."""
     out: dict[str, dict[str, float]] = {}
     last: dict[int, tuple[str, float]] = {}
     for worker, text, start, end in sorted(rows, key=lambda row: (row[0], row[2])):
@@ -57,7 +58,7 @@ def idle_gaps(rows: list[tuple[int, str, float, float]]) -> dict[str, dict[str, 
         slot = f"{action.round}:{action.slot}"
         if worker in last:
             previous_slot, previous_end = last[worker]
-            kind = "same stage" if slot == previous_slot else "next stage"
+            kind = ("same stage" if slot == previous_slot else "next stage") + f", {action.op.name.lower()}"
             gap = max(0.0, start - previous_end)
             entry = out.setdefault(kind, {"seconds": 0.0, "count": 0, "largest": 0.0})
             entry["seconds"] += gap
