@@ -104,8 +104,9 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             so longer sequences fit, and the partitioner balances stages at a finer grain. Costs a
             stage boundary (the hidden states, host round trip included) per block.
         timeout: with ``num_nodes > 1``, how long a collective between nodes may wait for the others
-            before it fails (as for ``DDPStrategy``; default 30 minutes). A node that hangs then stops the
-            others with an error instead of holding them forever.
+            before it fails (a ``timedelta`` or seconds; as for ``DDPStrategy``, default 30 minutes). A
+            node that hangs then stops the others with an error instead of holding them forever. It also
+            bounds start-up: nodes launched further apart than this fail to connect.
         evaluate_hf_in_pipeline: ``self.model(**batch)`` of a Hugging Face model in ``validation_step`` /
             ``test_step`` with labels runs forward-only through the pipeline and returns the loss only
             (``logits`` is ``None``: never materialised). ``False`` runs the model's own forward on the host
@@ -133,7 +134,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         evaluate_hf_in_pipeline: bool = True,
-        timeout: timedelta = default_pg_timeout,
+        timeout: timedelta | float = default_pg_timeout,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -163,6 +164,10 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         self.async_optimizer = async_optimizer
         self.host_memory_check = host_memory_check
         self.evaluate_hf_in_pipeline = evaluate_hf_in_pipeline
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"RoundPipeStrategy(timeout={timeout!r}) takes a datetime.timedelta or a number of seconds")
         if timeout.total_seconds() <= 0:
             raise ValueError(f"RoundPipeStrategy(timeout={timeout}) must be positive")
         self.timeout = timeout

@@ -38,7 +38,8 @@ class HangAt(L.Callback):
 
     def on_train_batch_start(self, trainer, *args) -> None:
         if trainer.global_step == self.step:
-            time.sleep(600)
+            print(f"node {trainer.global_rank} hangs at step {self.step}", flush=True)
+            time.sleep(120)
 
 
 def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epochs: int, die_at: int = -1) -> None:

@@ -159,6 +159,8 @@ def test_a_stage_offset_every_measurement_shows_gets_one_more_look_then_no_churn
         assert max(s.stop - s.start for s in engine.plan.stages()) >= 2  # stages the overhead makes faster
         assert measurements(engine, 10) == 1
         assert engine.plan != LayerProfile.plan(8) and engine.drift is not None and engine.drift < 0.3
+        engine.replan()  # asked for: its plan gets its own second look, then stays
+        assert measurements(engine, 10) == 2
     finally:
         engine.close()
 
@@ -192,7 +194,9 @@ def test_a_resumed_run_judges_drift_against_the_saved_reference():
     try:
         resumed.load_state_dict(state)
         assert resumed.plan == StagePlan.parse(state["plan"])
+        assert resumed._reference == state["drift_reference"] and not resumed._offset_checked
         assert measurements(resumed, 4) == 1
+        assert resumed.layer_costs.forward[4] > 2.5 * state["layer_costs"]["forward"][4]
     finally:
         resumed.close()
 

@@ -108,6 +108,11 @@ def test_unsupported_settings_say_what_to_change():
         RoundPipeStrategy(replan_margin=0)
     with pytest.raises(ValueError, match="check_every must be at least 0"):
         RoundPipeStrategy(check_every=-1)
+    with pytest.raises(TypeError, match=r"timeout='1h'\) takes a datetime.timedelta or a number of seconds"):
+        RoundPipeStrategy(timeout="1h")
+    with pytest.raises(ValueError, match="must be positive"):
+        RoundPipeStrategy(timeout=0)
+    assert RoundPipeStrategy(timeout=90).timeout.total_seconds() == 90
 
 
 def test_model_without_a_sequential_is_refused():

@@ -64,7 +64,8 @@ class PipelineEngine:
             for ``profile_steps`` batches (one layer per stage), then plans from their costs (see
             ``planner``), and measures stage times every
             ``check_every`` batches: when they drift by more than ``replan_margin`` from those the
-            plan first measured, twice in a row, it measures and partitions again.
+            plan first measured, twice in a row, it measures and plans again (and once more if that
+            first timing is itself off the measured costs by the margin).
         planner: how ``"auto"`` picks its plan from the measured costs (see
             :func:`~lightning_roundpipe.schedule.choose.automatic_plan`).
         microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
@@ -157,7 +158,7 @@ class PipelineEngine:
         """At the last check, how far stage times moved from those first measured on the plan
         (relative to the slowest stage); ``replan_margin`` twice in a row measures the layers again."""
         self._reference: list[float] | None = None  # the plan's stage times at its first check
-        self._offset_checked = False  # this plan's costs were measured again for an offset at its first check
+        self._offset_checked = False  # the costs were measured again for a plan's first-timing offset
         self._plan_since = 0  # the first call on the current plan
         self._record_next = False
         self._submitted: dict[int, float] = {}  # call -> when it was submitted (recent calls only)
@@ -299,11 +300,11 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ measuring and planning
     def replan(self) -> None:
-        """Measure the layers again (one layer per stage) and partition from the new costs."""
+        """Measure the layers again (one layer per stage) and plan from the new costs. The plan that
+        follows gets its own second look if its first timing is off these costs."""
         self._profile = LayerProfile(len(self.layers))
         self.plan = LayerProfile.plan(len(self.layers))
-        self._drifted = 0
-        self._reference = None
+        self._drifted, self._reference, self.drift, self._offset_checked = 0, None, None, False
 
     def measure_next(self) -> None:
         """Record the next batch's compute times (for :attr:`busy` and drift checks)."""
@@ -369,24 +370,24 @@ class PipelineEngine:
         plan and measure again forever (seen on 2 H200s). An offset at the plan's first timing gets one
         more measurement (a slowdown right after profiling, one-offs in the first profile); what
         remains after it is the plan's pace."""
+        if call <= self._plan_since:  # not the plan's first batch (allocations, first casts; or a resume's)
+            return
         if self._reference is None:
             slots = range(self.plan.num_slots)
-            # not the plan's first batch (allocations, first casts)
-            if call <= self._plan_since or not all(times.get(slot) for slot in slots):
+            if not all(times.get(slot) for slot in slots):
                 return
             assert self.layer_costs is not None
             if not self._offset_checked and drift(times, stage_times_of_plan(self.layer_costs, self.plan)) > (
                 self.replan_margin
             ):
-                self._offset_checked = True
                 self.replan()
+                self._offset_checked = True  # the plan from this measurement gets no further look
                 return
             self._reference = [median(times[slot]) for slot in slots]
             return
         self.drift = drift(times, self._reference)
         self._drifted = self._drifted + 1 if self.drift > self.replan_margin else 0
         if self._drifted >= 2:
-            self._offset_checked = False  # the costs changed: their new plan gets its own second look
             self.replan()
 
     def _is_check(self, flight: Flight) -> bool:
@@ -736,6 +737,7 @@ class PipelineEngine:
             "drift_reference": self._reference,
             "drifted": self._drifted,
             "offset_checked": self._offset_checked,
+            "profiling": self._profile is not None,
         }
         if self.asynchronous and self._cast_done.get(self.step - 1):
             stash = self._evaluation_stash or {}  # saved during validation: the copies set aside are the ones
@@ -770,7 +772,8 @@ class PipelineEngine:
         if self.auto_plan and state.get("layer_costs") is not None:
             self.layer_costs = LayerCosts(**{k: tuple(v) for k, v in state["layer_costs"].items()})
             plan = StagePlan.parse(state["plan"])
-            if plan == LayerProfile.plan(len(self.layers)):
+            profiling = state.get("profiling", plan == LayerProfile.plan(len(self.layers)))  # older: by plan
+            if profiling:
                 self.replan()  # saved while measuring again: measure anew
             elif plan.num_layers == len(self.layers):
                 self._profile = None
@@ -779,7 +782,7 @@ class PipelineEngine:
                 reference = state.get("drift_reference")
                 if reference is not None and len(reference) == plan.num_slots:
                     self._reference, self._drifted = list(reference), int(state.get("drifted", 0))
-                self._offset_checked = bool(state.get("offset_checked", False))
+            self._offset_checked = bool(state.get("offset_checked", False))
         self._windows = {self.step: StepWindow(self._abort)}
         compute = state.get("compute")
         if compute is None:
