@@ -19,6 +19,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -69,7 +70,9 @@ class Shaped(L.LightningModule):
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         self.plan = str(self.trainer.strategy.engine.plan)
-        self.timeline = list(self.trainer.strategy.engine.last_timeline)
+        engine = self.trainer.strategy.engine
+        self.timeline = list(engine.last_timeline)
+        self.costs = None if engine.layer_costs is None else asdict(engine.layer_costs)
         self.ends.append(time.perf_counter())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -198,6 +201,10 @@ def main() -> None:
             "step_wall_s": [b - a for a, b in zip(module.ends, module.ends[1:])],
             "main_thread": main_thread,
             "idle_gaps": gaps,
+            # what the prediction was made from, and the last measured step as it ran: enough to simulate
+            # the plan again offline and compare action by action
+            "layer_costs": module.costs,
+            "last_timeline": module.timeline,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "results": result}, indent=1))
