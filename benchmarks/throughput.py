@@ -33,24 +33,27 @@ from _driver import run_or_drive, write
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
 
-def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, float]:
-    """Run ``step()`` under the profiler; return GPU busy fractions and write the top kernels."""
+def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, Any]:
+    """Run ``step()`` under the profiler (device activity only: host-side tracing of every op would slow
+    the host issuing kernels, the very thing under test); return the device's busy fractions, its idle
+    gaps by length with the largest ones located, and write the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     wall_us = (time.perf_counter() - t0) * 1e6
     kernels, copies = [], []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            (copies if "memcpy" in e.name.lower() else kernels).append((e.time_range.start, e.time_range.end))
+            row = (e.time_range.start, e.time_range.end, e.name)
+            (copies if "memcpy" in e.name.lower() else kernels).append(row)
 
-    def union(intervals: list[tuple[float, float]]) -> float:
+    def union(intervals: list[tuple[float, float, str]]) -> float:
         total, end = 0.0, float("-inf")
-        for a, b in sorted(intervals):
+        for a, b, _ in sorted(intervals):
             if b > end:
                 total += b - max(a, end)
                 end = b
@@ -60,7 +63,72 @@ def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, float]:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile-{name}.txt").write_text(table)
-    return {"kernel_busy": union(kernels) / wall_us, "copy_busy": union(copies) / wall_us, "profiled_s": wall_us / 1e6}
+    # Fractions of the device's own span (first to last event): the wall around the profiler also holds
+    # its start and its processing of the trace at exit (a roundpipe step of 32k kernels, 2026-12-01:
+    # 3.45 s of wall around a 2.62 s device span, against 2.75 s for the step unprofiled).
+    events = kernels + copies
+    span_us = max(b for _, b, _ in events) - min(a for a, _, _ in events) if events else wall_us
+    return {
+        "kernel_busy": union(kernels) / span_us,
+        "copy_busy": union(copies) / span_us,
+        "kernel_sum_s": sum(b - a for a, b, _ in kernels) / 1e6,
+        "device_span_s": span_us / 1e6,
+        "profiled_s": wall_us / 1e6,
+        "kernel_gaps": kernel_gaps(kernels),
+    }
+
+
+GAP_BUCKETS_US = (20.0, 200.0, 2000.0)
+
+
+def kernel_gaps(kernels: list[tuple[float, float, str]], top: int = 8) -> dict[str, Any]:
+    """The device's idle between kernels (any stream) in one profiled step: count and seconds by gap
+    length (microseconds), and the ``top`` largest with their place and the kernels around them."""
+    rows = sorted(kernels)
+    if not rows:
+        return {}
+    origin, end, before = rows[0][0], rows[0][1], rows[0][2]
+    buckets = {f"<{b:g}us": [0, 0.0] for b in GAP_BUCKETS_US} | {f">={GAP_BUCKETS_US[-1]:g}us": [0, 0.0]}
+    gaps = []
+    for a, b, kernel in rows[1:]:
+        if a > end:
+            gap = a - end
+            label = next((f"<{x:g}us" for x in GAP_BUCKETS_US if gap < x), f">={GAP_BUCKETS_US[-1]:g}us")
+            buckets[label][0] += 1
+            buckets[label][1] += gap / 1e6
+            gaps.append((gap, end - origin, before[:60], kernel[:60]))
+        if b > end:
+            end, before = b, kernel
+    gaps.sort(reverse=True)
+    return {
+        "span_s": (end - origin) / 1e6,
+        "by_length": {k: {"count": n, "seconds": s} for k, (n, s) in buckets.items()},
+        "largest": [{"ms": g / 1e3, "at_ms": t / 1e3, "after": x, "before": y} for g, t, x, y in gaps[:top]],
+    }
+
+
+def host_add_speed(numel: int) -> dict[str, float]:
+    """Elements per second (G) of the collector's host work, ``fp32 += bf16`` over ``numel`` elements
+    (the tied embedding's second gradient write), on the main thread and on a fresh thread as the
+    collectors run it. Each element reads 6 bytes and writes 4."""
+    import threading
+
+    acc = torch.zeros(numel, dtype=torch.float32).pin_memory()
+    staged = torch.ones(numel, dtype=torch.bfloat16).pin_memory()
+    out: dict[str, float] = {"threads": float(torch.get_num_threads())}
+
+    def timed(key: str) -> None:
+        acc.add_(staged)  # touch the pages once
+        t0 = time.perf_counter()
+        for _ in range(3):
+            acc.add_(staged)
+        out[key] = 3 * numel / 1e9 / (time.perf_counter() - t0)
+
+    timed("main_gelem_s")
+    thread = threading.Thread(target=timed, args=("thread_gelem_s",))
+    thread.start()
+    thread.join()
+    return out
 
 
 CONFIGS = ("plain", "roundpipe-priority", "roundpipe-simple", "roundpipe-none", "roundpipe-4b-24gb")
@@ -216,12 +284,18 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
         }
         # one more step with the engine's timers: the device's idle between its actions, by what came next
         engine.measure_next()
+        logs: list[tuple[float, float, float, int]] = []
+        engine.log_gradient_adds(logs)
+        t0 = time.perf_counter()
         step(998)
+        t1 = time.perf_counter()
+        engine.log_gradient_adds(None)
         engine.store.clear_grads()
         rows = engine.last_timeline
         result["recorded_step_s"] = max(r[3] for r in rows) - min(r[2] for r in rows)
         result["recorded_busy_s"] = sum(r[3] - r[2] for r in rows)
         result["idle_gaps"] = idle_gaps(rows)
+        result["anatomy"] = step_anatomy(t0, t1, engine.last_timeline_origin, rows, logs)
         if args.profile:
             result.update(profile_step(lambda: step(999), args.profile, args.run))
             engine.store.clear_grads()
@@ -247,9 +321,31 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
             result["full_step_parts_s"] = parts
             result["host_bytes_per_param"] = (engine.store.nbytes() + states) / params
         result["host_rss_gib"] = (psutil.Process().memory_info().rss - rss0) / GiB
+        if args.device == "cuda":
+            result["host_add"] = host_add_speed(shape.vocab * shape.hidden)
         return result
     finally:
         engine.close()
+
+
+def step_anatomy(
+    t0: float, t1: float, origin: float, rows: list[tuple[int, str, float, float]],
+    adds: list[tuple[float, float, float, int]],
+) -> dict[str, Any]:  # fmt: skip
+    """Where a synchronous step's wall time goes outside the device's compute: ``head_s`` from the call
+    to the first compute, ``tail_s`` from the last compute to the return, and in the tail the host
+    gradient sums (the collectors' jobs ending after the last compute)."""
+    first, last = origin + min(r[2] for r in rows), origin + max(r[3] for r in rows)
+    late = [a for a in adds if a[2] > last]
+    return {
+        "head_s": first - t0,
+        "tail_s": t1 - last,
+        "host_add_s": sum(c - b for _, b, c, _ in adds),
+        "host_add_gb": sum(n for *_, n in adds) / 1e9,
+        "tail_jobs": [
+            {"copy_done_s": b - last, "add_s": c - b, "end_s": c - last, "gb": n / 1e9} for _, b, c, n in late
+        ],
+    }
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,6 +408,27 @@ def main() -> None:
                 )
                 step_s, busy_s = r["recorded_step_s"], r["recorded_busy_s"]
                 print(f"  a recorded step: {step_s:.3f} s, busy {busy_s:.3f} s; idle: {gaps}")
+                a = r["anatomy"]
+                tail = "; ".join(
+                    f"{j['gb']:.2f} GB copied by +{1e3 * j['copy_done_s']:.0f} ms, added in {1e3 * j['add_s']:.0f} ms"
+                    for j in a["tail_jobs"]
+                    if j["gb"] or j["end_s"] > 1e-3
+                )
+                print(
+                    f"  call to first compute {1e3 * a['head_s']:.0f} ms, last compute to return"
+                    f" {1e3 * a['tail_s']:.0f} ms (host adds ending after the last compute: {tail or 'none'});"
+                    f" host adds in the step {a['host_add_s']:.3f} s for {a['host_add_gb']:.2f} GB"
+                )
+            if "host_add" in r:
+                h = r["host_add"]
+                print(f"  host fp32 += bf16: {h['main_gelem_s']:.2f} G elements/s main thread,"
+                      f" {h['thread_gelem_s']:.2f} in a thread ({h['threads']:.0f} intra-op threads)")  # fmt: skip
+            if r.get("kernel_gaps"):
+                k = r["kernel_gaps"]
+                lengths = ", ".join(f"{b} {v['count']} = {v['seconds']:.3f} s" for b, v in k["by_length"].items())
+                print(f"  profiled: kernels {r['kernel_sum_s']:.3f} s in a {k['span_s']:.3f} s span; gaps {lengths}")
+                for g in k["largest"][:4]:
+                    print(f"    gap {g['ms']:.2f} ms at {g['at_ms']:.0f} ms: {g['after']} -> {g['before']}")
 
     plain = next((r for r in results if r.get("config") == "plain" and "error" not in r), None)
     for r in results:

@@ -151,6 +151,8 @@ class PipelineEngine:
         time the devices waited for the host (Lightning's loop, the next batch, its first uploads)."""
         self.last_timeline: list[tuple[int, str, float, float]] = []
         """(worker, action, start, end) of the last measured batch (see :func:`profile.timeline`)."""
+        self.last_timeline_origin = 0.0
+        """``time.perf_counter`` of the last timeline's zero (its first worker's start)."""
         self._profile: LayerProfile | None = LayerProfile(len(layers)) if self.auto_plan else None
         self._recording: list[Flight] = []
         self._drifted = 0
@@ -306,6 +308,13 @@ class PipelineEngine:
         self.plan = LayerProfile.plan(len(self.layers))
         self._drifted, self._reference, self.drift, self._offset_checked = 0, None, None, False
 
+    def log_gradient_adds(self, log: list[tuple[float, float, float, int]] | None) -> None:
+        """Append every gradient job's (start of the wait for its copy, start of its host adds, their
+        end, bytes added) to ``log``, in ``time.perf_counter`` seconds; ``None`` stops. For benchmarks:
+        where a batch's tail goes."""
+        for collector in self._collectors:
+            collector.log = log
+
     def measure_next(self) -> None:
         """Record the next batch's compute times (for :attr:`busy` and drift checks)."""
         self._record_next = True
@@ -331,6 +340,7 @@ class PipelineEngine:
 
     def _use_measurements(self, flight: Flight) -> None:
         self.last_timeline = timeline(flight)
+        self.last_timeline_origin = min(host for _, host in flight.references.values())
         period = self._period(flight.call)
         busy = busy_seconds(flight)
         if period is not None:
