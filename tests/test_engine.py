@@ -389,3 +389,69 @@ def test_gradient_dtype_conversion_in_small_chunks_gives_the_same_result(monkeyp
             engine.close()
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("chunk", [1 << 24, 5])
+def test_tail_gradients_summed_on_the_device_equal_the_collectors_sums(monkeypatch, workers, chunk):
+    """A settling batch's last gradient slot adds its later writes on the device (the host partial sum
+    goes up, the sum comes down): bit-identical to the collector's host add, over tied weights, rounds,
+    accumulation over batches and bf16 device gradients, and equal to plain autograd."""
+    from lightning_roundpipe.runtime.executor import StageExecutor
+
+    monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", chunk)
+    summed = []
+    original = StageExecutor._add_on_device
+
+    def spy(self, source, host, start, stop):
+        summed.append(stop - start)
+        original(self, source, host, start, stop)
+
+    monkeypatch.setattr(StageExecutor, "_add_on_device", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[4].weight = nn.Parameter(model[0].weight[:3].clone())
+    model[2].weight = model[0].weight  # the tied weight's second write lands in the last backward slot
+    reference = copy.deepcopy(model)
+    batches = [batch(12, seed) for seed in (1, 2)]
+    results = {}
+    for on_device in (False, True):
+        monkeypatch.setattr(StageExecutor, "add_tail_on_device", on_device)
+        summed.clear()
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = engine_for(
+                copy.deepcopy(model), workers, microbatches_per_round=2, num_rounds=2,
+                plan=StagePlan.parse("2,1|2,1,1,1"), compute_dtype=dtype,
+                autocast_dtype=dtype if dtype is torch.bfloat16 else None,
+            )  # fmt: skip
+            try:
+                for x, y in batches:  # the second batch's writes all add to the first's
+                    engine.train_batch(x, y, F.mse_loss)
+                results[on_device, dtype] = engine_grads(engine)
+            finally:
+                engine.close()
+        assert bool(summed) == on_device, "the device path was not taken (or taken while off)"
+    for dtype in (torch.float32, torch.bfloat16):
+        for a, b in zip(results[False, dtype], results[True, dtype]):
+            assert torch.equal(a, b)
+    reference.zero_grad(set_to_none=True)
+    for x, y in batches:
+        F.mse_loss(reference(x), y).backward()
+    assert_close(results[True, torch.float32], [p.grad for p in reference.parameters()])
+
+
+def test_tail_slot_is_the_last_gradient_unload_with_no_compute_after_it():
+    from lightning_roundpipe.runtime.executor import tail_slot
+    from lightning_roundpipe.schedule.dispatch import round_robin
+    from lightning_roundpipe.schedule.transfers import add_transfers
+
+    plan = StagePlan.parse("2,1|2,1,1,1")  # slots 0-1 forward, 2 fused, 3-5 backward
+    with_grads = lambda slot: slot >= 2  # noqa: E731
+    (one,) = add_transfers(round_robin(plan, 1, 2, 1, 0), "priority").workers
+    assert tail_slot(one, with_grads) == (0, 5)
+    # slot 5 frozen: slot 4's unload starts before slot 5's backward computes, so no slot is free of compute
+    assert tail_slot(one, lambda slot: 2 <= slot <= 4) is None
+    five = add_transfers(round_robin(plan, 5, 5, 3, 0), "priority").workers
+    tails = [tail_slot(actions, with_grads) for actions in five]
+    # worker 3 ends on a forward stage of round 2, interleaved with the unload of round 1's fused slot
+    assert tails == [(2, 3), (2, 4), (2, 5), None, (2, 2)]

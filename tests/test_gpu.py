@@ -103,6 +103,63 @@ def test_bf16_gpu_within_bf16_tolerance():
     assert relative_error(got, want) <= 3e-2
 
 
+class _Head(nn.Module):
+    """An LM head that reuses the embedding's weight (tied), so the weight has two gradient writers."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+@pytest.mark.timeout(120)
+def test_tail_summed_on_the_device_is_bit_identical_to_the_host_add(monkeypatch):
+    """The last backward slot (the tied embedding) sums its write on the device, right after a slot whose
+    bf16 gradients are converted and downloaded in chunks (the blocks its chunk buffers could reuse too
+    early if the streams were misordered). Batch by batch, and with the host gradients accumulated over
+    batches, the sums equal the collector's host add bit for bit."""
+    from lightning_roundpipe.runtime.executor import StageExecutor
+
+    monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", 1 << 18)  # many chunks per group
+    torch.manual_seed(0)
+    vocab, hidden = 4096, 1024
+    embedding = nn.Embedding(vocab, hidden)
+    model = nn.Sequential(embedding, nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden), _Head(embedding))
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, vocab, (8, 64), generator=g), torch.randint(0, vocab, (8, 64), generator=g))
+               for _ in range(3)]  # fmt: skip
+    results = {}
+    for on_device in (False, True, True):
+        monkeypatch.setattr(StageExecutor, "add_tail_on_device", on_device)
+        engine = PipelineEngine(
+            list(copy.deepcopy(model).children()), [CudaWorkerDevice("cuda:0", 0)], plan=StagePlan.parse("2,1|2,1,1,1"),
+            microbatches_per_round=2, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16,
+        )  # fmt: skip
+        try:
+            grads = []
+            for x, y in batches:  # one batch per step
+                engine.train_batch(x, y, loss_fn)
+                grads.append(torch.cat([gr.grad.clone() for gr in engine.store.groups if gr.grad is not None]))
+                engine.store.clear_grads()
+            for x, y in batches:  # accumulated: every write of the second and third batch adds
+                engine.train_batch(x, y, loss_fn)
+            grads.append(torch.cat([gr.grad.clone() for gr in engine.store.groups if gr.grad is not None]))
+            engine.store.clear_grads()
+        finally:
+            engine.close()
+        results.setdefault(on_device, []).append(grads)
+    (host,), device_runs = results[False], results[True]
+    for run in device_runs:
+        for a, b in zip(host, run):
+            assert torch.equal(a, b)
+
+
 def test_host_buffers_are_pinned_at_exact_sizes():
     model = mlp()
     engine = PipelineEngine(list(model.children()), [CudaWorkerDevice("cuda:0", 0)], compute_dtype=torch.bfloat16)
