@@ -324,7 +324,8 @@ def max_seq(
     def answer(**extra: Any) -> dict[str, Any]:
         return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
                 "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
-                "failure_detail": details.get(bad, ""), "probes": probes, **extra}  # fmt: skip
+                "failure_detail": details.get(bad, ""), "probes": probes,
+                **({"split_blocks": True} if args.split_blocks and config == "roundpipe" else {}), **extra}  # fmt: skip
 
     def run(seq: int) -> bool:
         ok, reason, details[seq] = probe(args, config, seq)

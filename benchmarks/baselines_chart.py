@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("plain", "roundpipe", "fsdp-offload", "zero2-offload", "zero3-offload")
+ORDER = ("plain", "roundpipe", "roundpipe-split", "fsdp-offload", "zero2-offload", "zero3-offload")
+"""Systems in the order they are drawn; ``roundpipe-split`` is roundpipe with ``--split-blocks``."""
 
 
 def card(result: dict[str, Any]) -> str:
@@ -28,14 +29,19 @@ def collect(paths: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, tu
     speed: dict[str, dict[str, float]] = {}
     longest: dict[str, tuple[int, int | None, bool, str]] = {}
     for path in paths:
-        for r in json.loads(Path(path).read_text())["results"]:
+        data = json.loads(Path(path).read_text())
+        # files written before max-seq results carried the flag say it only in their command
+        split_run = "--split-blocks" in data.get("meta", {}).get("command", "")
+        for r in data["results"]:
             if "error" in r:
                 continue
+            split = r["config"] == "roundpipe" and (r.get("split_blocks") or split_run)
+            name = r["config"] + ("-split" if split else "")
             if "max_seq_len" in r:
                 done = not r.get("inconclusive") and not r.get("searching")
-                longest[r["config"]] = (r["max_seq_len"], r.get("first_failure"), done, card(r))
+                longest[name] = (r["max_seq_len"], r.get("first_failure"), done, card(r))
             elif "tokens_per_s" in r:
-                speed.setdefault(card(r), {})[r["config"]] = r["tokens_per_s"]
+                speed.setdefault(card(r), {})[name] = r["tokens_per_s"]
     return speed, longest
 
 
@@ -48,12 +54,13 @@ def draw(speed: dict[str, dict[str, float]], longest: dict[str, tuple[int, int |
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     cards = sorted(speed)
     width = 0.8 / max(1, len(cards))
+    timed = [s for s in ORDER if any(s in speed[name] for name in cards)]
     for i, name in enumerate(cards):
-        xs = [k + i * width for k, system in enumerate(ORDER) if system in speed[name]]
-        ys = [speed[name][system] for system in ORDER if system in speed[name]]
+        xs = [k + i * width for k, system in enumerate(timed) if system in speed[name]]
+        ys = [speed[name][system] for system in timed if system in speed[name]]
         bars = left.bar(xs, ys, width, label=name)
         left.bar_label(bars, labels=[f"{y / 1000:.1f}k" for y in ys], fontsize=7)
-    left.set_xticks([k + width * (len(cards) - 1) / 2 for k in range(len(ORDER))], ORDER, fontsize=8)
+    left.set_xticks([k + width * (len(cards) - 1) / 2 for k in range(len(timed))], timed, fontsize=8)
     left.set_ylabel("tokens/s (32 x 2048 per step)")
     left.set_title("Throughput")
     left.legend(fontsize=8)

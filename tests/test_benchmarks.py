@@ -105,10 +105,11 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
         return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
 
     monkeypatch.setattr(baselines, "probe", probe)
-    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0)
+    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=True)
     reports = []
     found = baselines.max_seq(args, "roundpipe", reports.append)
     assert found["max_seq_len"] == 80 and found["first_failure"] == 88
+    assert found["split_blocks"] is True  # the chart tells it from roundpipe's whole-block search
     assert found["ran_out_of"] == "GPU memory (no plan fits)" and "inconclusive" not in found
     assert [p["seq_len"] for p in found["probes"]] == [16, 32, 64, 128, 96, 80, 88]
     assert len(reports) == 7 and all(r["searching"] for r in reports)
@@ -123,7 +124,7 @@ def test_a_time_limit_while_bisecting_leaves_the_search_inconclusive(monkeypatch
 
     answers = {16: (True, "", ""), 32: (True, "", ""), 64: (False, "GPU memory", "oom"), 48: (False, "time limit", "")}
     monkeypatch.setattr(baselines, "probe", lambda args, config, seq: answers[seq])
-    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0)
+    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=False)
     found = baselines.max_seq(args, "fsdp-offload")
     assert found["inconclusive"] and found["max_seq_len"] == 32 and found["first_failure"] == 64
 
@@ -168,11 +169,19 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
     found = {"config": "roundpipe", "max_seq_len": 64, "first_failure": 96, "gpu_cap_gib": 24.0}
     partial = {"config": "fsdp-offload", "max_seq_len": 32, "first_failure": 64, "searching": True}
     search = {"results": [found, partial]}
-    (tmp_path / "run.json").write_text(json.dumps(run))
-    (tmp_path / "search.json").write_text(json.dumps(search))
-    speed, longest = baselines_chart.collect([str(tmp_path / "run.json"), str(tmp_path / "search.json")])
+    split = {"meta": {"command": "python benchmarks/baselines.py --max-seq roundpipe --split-blocks"},
+             "results": [{**found, "max_seq_len": 128, "first_failure": 160}]}  # fmt: skip
+    paths = []
+    for name, content in (("run", run), ("search", search), ("split", split)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    speed, longest = baselines_chart.collect(paths)
     assert speed == {"full card": {"plain": 10.0}, "24 GiB card": {"roundpipe": 9.0}}  # no bar for a failure
-    assert longest == {"roundpipe": (64, 96, True, "24 GiB card"), "fsdp-offload": (32, 64, False, "full card")}
+    assert longest == {
+        "roundpipe": (64, 96, True, "24 GiB card"),
+        "fsdp-offload": (32, 64, False, "full card"),
+        "roundpipe-split": (128, 160, True, "24 GiB card"),  # not roundpipe's: its command split the blocks
+    }
     pytest.importorskip("matplotlib")
     baselines_chart.draw(speed, longest, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").stat().st_size > 1000
