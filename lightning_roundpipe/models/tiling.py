@@ -1,0 +1,134 @@
+"""A token-wise function (an MLP and its norm) over a long sequence, a tile of tokens at a time.
+
+At long sequences one MLP layer's activations bound what fits on a device: for the Qwen3-1.7B shape its
+gate, up, activation and product keep 48 of the 68 KiB per token that the MLP half of a block saves
+for backward. Since every token is computed alone, the tokens can go through in tiles: the forward
+keeps only the layer's input, and the backward recomputes one tile at a time and differentiates it
+at once, so a tile's intermediates are all that is ever alive. That costs one more forward of the
+function in backward (as activation checkpointing does). Under ``no_grad`` (forward stages,
+evaluation) the tiles bound the transient memory the same way.
+
+Not :func:`torch.utils.checkpoint`: roundpipe binds a stage's device weights into weight-less module
+replicas only for the duration of the layer call, so a recompute that reads the module's attributes
+later would find meta tensors. :func:`tiled` captures the tensors the module holds at the call and
+binds them again for the recompute, under the autocast state of the call. It draws no random
+numbers again: modules that would (dropout in training mode) are refused, since replaying a shared
+generator from the autograd thread would race the workers that seed it for their own layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def tiled(module: nn.Module, fn: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int | None) -> Tensor:
+    """``fn(x)`` for a token-wise ``fn`` (each position along every dimension but the last is computed
+    alone), at most ``tile_tokens`` tokens at a time; ``None`` or a sequence that fits in one tile is
+    one plain call. ``fn`` may use only tensors that ``module`` holds (its parameters and buffers):
+    they are the ones bound again for the recompute in backward."""
+    if tile_tokens is None:
+        return fn(x)
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+    tokens = x.numel() // x.shape[-1] if x.dim() else 1
+    if x.dim() < 2 or tokens <= tile_tokens:
+        return fn(x)
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            raise ValueError(
+                f"cannot tile {type(module).__name__} over tokens: it holds a {type(m).__name__}(p={m.p}) in"
+                " training mode, whose masks the recompute of each tile would have to draw again. Set its"
+                " probability to 0 (e.g. lora_dropout=0) or do not tile this layer."
+            )
+    names, tensors = _held(module)
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in tensors)):
+        flat = x.reshape(tokens, x.shape[-1])
+        return _join([_checked(fn(tile)) for tile in flat.split(tile_tokens)], x.shape[:-1])
+    return _Tiled.apply(module, fn, names, tile_tokens, x, *tensors)
+
+
+def _held(module: nn.Module) -> tuple[list[str], list[Tensor]]:
+    """The module's parameters and buffers as held now (a replica's bound device tensors, or its own)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def _checked(out: Any) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise TypeError(f"a tiled function must return one tensor per tile, got {type(out).__name__}")
+    return out
+
+
+def _join(outs: list[Tensor], leading: torch.Size) -> Tensor:
+    out = torch.cat(outs)
+    return out.view(*leading, out.shape[-1])
+
+
+@contextlib.contextmanager
+def _bound(module: nn.Module, names: list[str], tensors: tuple[Tensor, ...]) -> Iterator[None]:
+    """Put ``tensors`` into the module's parameter and buffer slots ``names`` for the duration."""
+    previous = []
+    for name, tensor in zip(names, tensors):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        previous.append((table, attr, table[attr]))
+        table[attr] = tensor
+    try:
+        yield
+    finally:
+        for table, attr, old in reversed(previous):
+            table[attr] = old
+
+
+class _Tiled(torch.autograd.Function):
+    """Forward without a graph, tile by tile; backward recomputes and differentiates each tile."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, module: nn.Module, fn: Callable[[Tensor], Tensor], names: list[str], tile_tokens: int,
+        x: Tensor, *tensors: Tensor,
+    ) -> Tensor:  # fmt: skip
+        device = x.device.type
+        ctx.module, ctx.fn, ctx.names, ctx.tile_tokens = module, fn, names, tile_tokens
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(x, *tensors)
+        flat = x.reshape(-1, x.shape[-1])
+        return _join([_checked(fn(tile)) for tile in flat.split(tile_tokens)], x.shape[:-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, *held = ctx.saved_tensors
+        device = x.device
+        flat = x.reshape(-1, x.shape[-1])
+        grads_out = grad_out.reshape(flat.shape[0], -1)
+        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
+        wanted = [i for i, t in enumerate(held) if ctx.needs_input_grad[5 + i]]
+        sums: dict[int, Tensor] = {}  # low-precision weights sum their tiles' gradients in fp32
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad():
+            for start in range(0, flat.shape[0], ctx.tile_tokens):
+                stop = min(flat.shape[0], start + ctx.tile_tokens)
+                tile = flat[start:stop].detach().requires_grad_(grad_x is not None)
+                tensors = tuple(t.detach().requires_grad_(i in wanted) for i, t in enumerate(held))
+                with _bound(ctx.module, ctx.names, tensors), torch.autocast(device.type, dtype, enabled=enabled):
+                    out = ctx.fn(tile)
+                inputs = ([tile] if grad_x is not None else []) + [tensors[i] for i in wanted]
+                grads = torch.autograd.grad(out, inputs, grads_out[start:stop], allow_unused=True)
+                if grad_x is not None:
+                    grad_x[start:stop] = grads[0]
+                    grads = grads[1:]
+                for i, g in zip(wanted, grads):
+                    if g is None:
+                        continue
+                    if i in sums:
+                        sums[i] += g
+                    else:
+                        sums[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g.clone()
+        weight_grads = [sums[i].to(held[i].dtype) if i in sums else None for i in range(len(held))]
+        return (None, None, None, None, None if grad_x is None else grad_x.view_as(x), *weight_grads)
