@@ -103,6 +103,11 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             attention and MLP (same arithmetic). One stage then holds about half a block's activations,
             so longer sequences fit, and the partitioner balances stages at a finer grain. Costs a
             stage boundary (the hidden states, host round trip included) per block.
+        tile_tokens: with ``split_decoder_layers``, the token-wise parts of each layer (the MLP with its
+            norm, the attention's input norm) run over at most this many tokens at a time and keep only
+            their inputs for backward; a backward stage recomputes them tile by tile (one more forward
+            of them per backward), so one tile's intermediates bound their memory instead of the whole
+            sequence's. For sequences too long for one layer's activations (e.g. 16384).
         timeout: with ``num_nodes > 1``, how long a collective between nodes may wait for the others
             before it fails (a ``timedelta`` or seconds; as for ``DDPStrategy``, default 30 minutes). A
             node that hangs then stops the others with an error instead of holding them forever. It also
@@ -133,6 +138,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         double_buffer: bool | str = False,
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
+        tile_tokens: int | None = None,
         evaluate_hf_in_pipeline: bool = True,
         timeout: timedelta | float = default_pg_timeout,
         accelerator: Any = None,
@@ -154,6 +160,12 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
             raise ValueError(f"RoundPipeStrategy(overlap={overlap!r}) must be one of {OVERLAPS}")
         self.overlap = overlap
         self.split_decoder_layers = split_decoder_layers
+        if tile_tokens is not None and (not split_decoder_layers or tile_tokens < 1):
+            raise ValueError(
+                f"RoundPipeStrategy(tile_tokens={tile_tokens}) tiles the layers of split_decoder_layers=True"
+                " over a positive number of tokens"
+            )
+        self.tile_tokens = tile_tokens
         self.gpu_memory = parse_memory(gpu_memory)
         self.double_buffer = double_buffering(double_buffer)
         if self.double_buffer != "none" and not async_optimizer:
@@ -387,7 +399,7 @@ class RoundPipeStrategy(_ParallelStrategy):  # type: ignore[misc,valid-type]
         if hf_model is not None:
             from lightning_roundpipe.models import hf
 
-            layers = hf.build_layers(hf_model, self.split_decoder_layers)
+            layers = hf.build_layers(hf_model, self.split_decoder_layers, self.tile_tokens)
             check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
         else:
             if self.split_decoder_layers:

@@ -44,8 +44,8 @@ def padded_batch(rows: int = 6, length: int = 10, seed: int = 1) -> dict[str, to
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3, split=False):
-    layers = hf.build_layers(model, split_decoder_layers=split)
+def engine_loss_and_grads(model, batch, workers=2, plan=None, mbs=3, split=False, tile_tokens=None):
+    layers = hf.build_layers(model, split_decoder_layers=split, tile_tokens=tile_tokens)
     engine = PipelineEngine(
         layers, [WorkerDevice("cpu", i) for i in range(workers)], plan=plan, microbatches_per_round=mbs
     )
@@ -83,6 +83,65 @@ def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied, split
     if tied:  # one parameter, one gradient holding both uses
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert "lm_head.weight" not in grads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layers_tiled_over_tokens_give_the_model_run_directly(arch):
+    """Each micro-batch holds 20 tokens; tiles of 7 make three tiles per MLP and input-norm call, in
+    forward stages (no autograd) and in backward stages (recomputed tile by tile)."""
+    model = tiny(arch)
+    reference = copy.deepcopy(model)
+    batch = padded_batch()
+    loss, grads = engine_loss_and_grads(model, batch, plan=StagePlan.parse("3,3|2,3,3"), split=True, tile_tokens=7)
+    want = reference(**batch)
+    want.loss.backward()
+    assert relative_error(loss, want.loss.detach()) <= 1e-5
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, expected[name]) <= 1e-5, name
+
+
+def test_tiled_layers_keep_less_for_backward():
+    """The MLP layer keeps only its input; the attention layer no longer keeps its input norm's fp32
+    intermediates (in this fp32 model, the normalised hidden states; in bf16 also the fp32 copy)."""
+    model = tiny("qwen3")
+    hidden = torch.randn(1, 48, 32, requires_grad=True)
+    positions = torch.arange(48)[None]
+
+    def saved_bytes(kind, tile_tokens):
+        stage = next(s for s in hf.build_layers(model, True, tile_tokens) if isinstance(s, kind))
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen, total = set(weights), [0]
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage((hidden, None, positions, None, None))
+        return total[0]
+
+    whole, tiles = saved_bytes(hf.MlpStage, None), saved_bytes(hf.MlpStage, 16)
+    assert tiles == hidden.numel() * 4  # the input, once
+    assert whole > 5 * tiles  # norm output, gate, up, activation, product
+    whole, tiles = saved_bytes(hf.AttentionStage, None), saved_bytes(hf.AttentionStage, 16)
+    assert whole - tiles >= hidden.numel() * 4
+
+
+def test_mlp_tiling_needs_the_split_and_refuses_what_it_cannot_replay():
+    model = tiny("qwen3")
+    with pytest.raises(ValueError, match="split_decoder_layers=True"):
+        hf.build_layers(model, split_decoder_layers=False, tile_tokens=8)
+    with pytest.raises(ValueError, match="split_decoder_layers=True"):
+        RoundPipeStrategy(tile_tokens=8)
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["gate_proj", "down_proj"], lora_dropout=0.1))
+    (stage, *_) = [s for s in hf.build_layers(lora, True, 4) if isinstance(s, hf.MlpStage)]
+    with pytest.raises(ValueError, match="lora_dropout=0"):
+        stage((torch.randn(1, 9, 32, requires_grad=True), None, None, None, None))
 
 
 def test_plain_inputs_drop_masks_and_positions_that_say_nothing():
@@ -157,13 +216,18 @@ def test_training_step_unchanged_weights_equal_plain_lightning(arch):
     assert "forward" not in ours.model.__dict__  # the interception is undone at teardown
 
 
-def test_split_decoder_layers_through_the_strategy_equal_plain_lightning(monkeypatch):
+@pytest.mark.parametrize("tile_tokens", [None, 4])
+def test_split_decoder_layers_through_the_strategy_equal_plain_lightning(monkeypatch, tile_tokens):
     built = []
     build = hf.build_layers
     monkeypatch.setattr(hf, "build_layers", lambda *args: built.append(build(*args)) or built[-1])
     plain = fit_hf("auto", 1, "qwen3")
-    ours = fit_hf(RoundPipeStrategy(num_microbatches=3, async_optimizer=False, split_decoder_layers=True), 2, "qwen3")
+    strategy = RoundPipeStrategy(
+        num_microbatches=3, async_optimizer=False, split_decoder_layers=True, tile_tokens=tile_tokens
+    )
+    ours = fit_hf(strategy, 2, "qwen3")
     assert [len(layers) for layers in built] == [2 + 2 * 3]  # embedding, 3 blocks in halves, head
+    assert {layer.tile_tokens for layer in built[0][1:-1]} == {tile_tokens}
     flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
     assert relative_error(flat(ours), flat(plain)) <= 1e-5
 
