@@ -71,13 +71,13 @@ GiB = 2**30
 class Model(L.LightningModule):
     """The shaped ``nn.Sequential``; blocks checkpointed under the baselines, pipelined under roundpipe."""
 
-    def __init__(self, shape: Any, optimizer: str, split: bool = False) -> None:
+    def __init__(self, shape: Any, optimizer: str, split: bool = False, tile_tokens: int | None = None) -> None:
         super().__init__()
         with torch.device("meta"):
             model = build(shape)
         self.model = init(model.to_empty(device="cpu"))
         if split:  # roundpipe only: the baselines checkpoint whole blocks
-            self.model = split_blocks(self.model)
+            self.model = split_blocks(self.model, tile_tokens)
         self.optimizer = optimizer
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -225,7 +225,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     )
     L.seed_everything(0, verbose=False)
     split = args.split_blocks and roundpipe  # the baselines checkpoint whole blocks either way
-    module = Model(shape, optimizer, split=split)
+    if args.tile_tokens and not args.split_blocks:
+        raise SystemExit("--tile-tokens tiles the MLP layers of --split-blocks; pass both")
+    tile = args.tile_tokens if split else None
+    module = Model(shape, optimizer, split=split, tile_tokens=tile)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
     steps = args.warmup + args.steps
     batch = args.seqs if roundpipe else args.micro_batch
@@ -261,6 +264,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "gpu_cap_gib": args.gpu_gib or None,
             "seq_len": args.seq_len,
             **({"split_blocks": True} if split else {}),
+            **({"tile_tokens": tile} if tile else {}),
         }
 
     # printed before Lightning tears the strategy down: freeing tens of GB of pinned host memory can
@@ -287,6 +291,7 @@ def probe(args: argparse.Namespace, config: str, seq_len: int) -> tuple[bool, st
            "--steps", "1", "--warmup", "3" if roundpipe else "1", "--workers", str(args.workers)]  # fmt: skip
     cmd += ["--double-buffer", args.double_buffer, "--gpu-memory", str(args.gpu_memory)]
     cmd += ["--split-blocks"] if args.split_blocks else []
+    cmd += ["--tile-tokens", str(args.tile_tokens)] if args.tile_tokens else []
     if args.gpu_gib:
         cmd += ["--gpu-gib", str(args.gpu_gib)]
     try:
@@ -320,12 +325,15 @@ def max_seq(
     """Double from ``--seq-len`` until a probe fails, then bisect to ``--seq-step`` tokens. ``report`` gets
     the answer so far after every probe, so a command stopped from outside keeps what it learnt."""
     good, bad, why, seq, details, probes = 0, None, "", args.seq_len, {}, []
+    roundpipe = config == "roundpipe"
 
     def answer(**extra: Any) -> dict[str, Any]:
         return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
                 "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
                 "failure_detail": details.get(bad, ""), "probes": probes,
-                **({"split_blocks": True} if args.split_blocks and config == "roundpipe" else {}), **extra}  # fmt: skip
+                **({"split_blocks": True} if roundpipe and args.split_blocks else {}),
+                **({"tile_tokens": args.tile_tokens} if roundpipe and args.tile_tokens else {}),
+                **extra}  # fmt: skip
 
     def run(seq: int) -> bool:
         ok, reason, details[seq] = probe(args, config, seq)
@@ -370,6 +378,9 @@ def main() -> None:
     )
     p.add_argument(
         "--split-blocks", action="store_true", help="roundpipe's model: each block as two layers (attention, MLP)"
+    )
+    p.add_argument(
+        "--tile-tokens", type=int, default=0, help="with --split-blocks: MLP layers over at most N tokens at once"
     )
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")

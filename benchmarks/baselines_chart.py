@@ -14,8 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("plain", "roundpipe", "roundpipe-split", "fsdp-offload", "zero2-offload", "zero3-offload")
-"""Systems in the order they are drawn; ``roundpipe-split`` is roundpipe with ``--split-blocks``."""
+ORDER = (
+    "plain", "roundpipe", "roundpipe-split", "roundpipe-split-tiled", "fsdp-offload", "zero2-offload", "zero3-offload"
+)  # fmt: skip
+"""Systems in the order they are drawn; ``roundpipe-split`` is roundpipe with ``--split-blocks``, and
+``-tiled`` adds ``--tile-tokens``."""
 
 
 def card(result: dict[str, Any]) -> str:
@@ -36,7 +39,7 @@ def collect(paths: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, tu
             if "error" in r:
                 continue
             split = r["config"] == "roundpipe" and (r.get("split_blocks") or split_run)
-            name = r["config"] + ("-split" if split else "")
+            name = r["config"] + ("-split" if split else "") + ("-tiled" if split and r.get("tile_tokens") else "")
             if "max_seq_len" in r:
                 done = not r.get("inconclusive") and not r.get("searching")
                 longest[name] = (r["max_seq_len"], r.get("first_failure"), done, card(r))

@@ -11,6 +11,8 @@
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
+#        throughput-tail (issue 3: 3 and 2 fused blocks with the step's tail summed on the device)
+#        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
@@ -61,6 +63,12 @@ for step in "${steps[@]}"; do
     throughput-gaps)  # issue 3: 3 fused blocks (0.894 of plain at 0.30 of its memory), where the device idles
       run throughput-gaps 420 python benchmarks/throughput.py --fused-blocks 3 \
         --configs plain,roundpipe-priority,roundpipe-priority@max_inflight=6 --out "$OUT/throughput-gaps.json" ;;
+    throughput-tail)  # issue 3 after the stream-order fix of the device-side tail sum (measured 2026-12-01 before
+      # it: 0.942 of plain at 0.299 of its memory with 3 fused blocks, 0.935 at 0.242 with 2; about 3 minutes)
+      run throughput-tail-3 240 python benchmarks/throughput.py --fused-blocks 3 --configs plain,roundpipe-priority \
+        --out "$OUT/throughput-tail-3.json"
+      run throughput-tail-2 120 python benchmarks/throughput.py --fused-blocks 2 --configs roundpipe-priority \
+        --optimizer-steps 0 --out "$OUT/throughput-tail-2.json" ;;
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background
@@ -96,6 +104,11 @@ for step in "${steps[@]}"; do
         --out "$OUT/baselines-split.json"
       run baselines-split-24gib 200 python benchmarks/baselines.py --configs roundpipe --split-blocks --gpu-gib 24 \
         --config-timeout 150 --out "$OUT/baselines-split-24gib.json" ;;
+    maxseq24-tiled-4x|maxseq24-tiled-5x)  # one probe of 4x / 5x FSDP's 65,536 with split blocks and tiled token-wise
+      # parts: a step of 262k-328k tokens is mostly causal attention (about 1-2 minutes each on an H200), so no search
+      seq=$([ "$step" = maxseq24-tiled-4x ] && echo 262144 || echo 327680)
+      run "$step" 580 python benchmarks/baselines.py --run roundpipe --split-blocks --tile-tokens 16384 --gpu-gib 24 \
+        --seqs 1 --micro-batch 1 --seq-len "$seq" --warmup 2 --steps 1 ;;
     maxseq24-*) config=${step#maxseq24-}  # measured 2026-11-29: roundpipe and fsdp-offload fit 65,536, fail 131,072
       start=$([ "$config" = roundpipe ] || [ "$config" = fsdp-offload ] && echo 65536 || echo 32768)
       run "$step" 560 python benchmarks/baselines.py --max-seq "$config" --gpu-gib 24 --seq-len "$start" \

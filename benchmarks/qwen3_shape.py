@@ -8,6 +8,7 @@ returns the loss: ``model((tokens, labels))`` is the mean token loss.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_roundpipe.models import chunked_linear_cross_entropy
+from lightning_roundpipe.models.tiling import tiled
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,28 @@ class Block(nn.Module):
         return x + _mlp(self, x), labels
 
 
-def _attention(m: nn.Module, x: Tensor) -> Tensor:
-    """The attention branch of a block (``m`` holds its modules: a :class:`Block` or an :class:`AttentionHalf`)."""
-    b, t, _ = x.shape
+def _qkv(m: nn.Module, x: Tensor) -> Tensor:
+    """The token-wise part of attention: norm, projections, q/k norms; q, k, v side by side per token."""
     h = m.input_norm(x)
-    q = m.q_norm(m.q_proj(h).view(b, t, m.heads, m.head_dim))
-    k = m.k_norm(m.k_proj(h).view(b, t, m.kv_heads, m.head_dim))
-    v = m.v_proj(h).view(b, t, m.kv_heads, m.head_dim)
+    q = m.q_norm(m.q_proj(h).unflatten(-1, (m.heads, m.head_dim))).flatten(-2)
+    k = m.k_norm(m.k_proj(h).unflatten(-1, (m.kv_heads, m.head_dim))).flatten(-2)
+    return torch.cat([q, k, m.v_proj(h)], dim=-1)
+
+
+def _attention(m: nn.Module, x: Tensor, tile_tokens: int | None = None) -> Tensor:
+    """The attention branch of a block (``m`` holds its modules: a :class:`Block` or an :class:`AttentionHalf`);
+    ``tile_tokens``: its token-wise part over at most that many tokens at a time, keeping only ``x``."""
+    b, t, _ = x.shape
+    if tile_tokens is None:  # as measured in every untiled run
+        h = m.input_norm(x)
+        q = m.q_norm(m.q_proj(h).view(b, t, m.heads, m.head_dim))
+        k = m.k_norm(m.k_proj(h).view(b, t, m.kv_heads, m.head_dim))
+        v = m.v_proj(h).view(b, t, m.kv_heads, m.head_dim)
+    else:
+        qkv = tiled(m, functools.partial(_qkv, m), x, tile_tokens)
+        q, k, v = qkv.split([m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim], dim=-1)
+        q, k = q.view(b, t, m.heads, m.head_dim), k.view(b, t, m.kv_heads, m.head_dim)
+        v = v.reshape(b, t, m.kv_heads, m.head_dim)  # a copy: SDPA keeping a view would keep all of qkv
     angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * m.inv_freq[None, :]
     cos, sin = (f(angles)[None, :, None, :].to(q.dtype) for f in (torch.cos, torch.sin))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -115,10 +132,12 @@ def _mlp(m: nn.Module, x: Tensor) -> Tensor:
 
 
 class AttentionHalf(nn.Module):
-    """A block's attention branch and its residual as a layer of its own, on the block's own parameters."""
+    """A block's attention branch and its residual as a layer of its own, on the block's own parameters;
+    ``tile_tokens``: its token-wise part (norms and projections) over at most that many tokens at a time."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, tile_tokens: int | None = None) -> None:
         super().__init__()
+        self.tile_tokens = tile_tokens
         self.heads, self.kv_heads, self.head_dim = block.heads, block.kv_heads, block.head_dim
         for name in ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
             setattr(self, name, getattr(block, name))
@@ -126,19 +145,21 @@ class AttentionHalf(nn.Module):
 
     def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, labels = batch
-        return x + _attention(self, x), labels
+        return x + _attention(self, x, self.tile_tokens), labels
 
 
 class MlpHalf(nn.Module):
-    """A block's MLP branch and its residual as a layer of its own, on the block's own parameters."""
+    """A block's MLP branch and its residual as a layer of its own, on the block's own parameters;
+    ``tile_tokens``: the branch over at most that many tokens at a time (``tile_tokens``)."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, tile_tokens: int | None = None) -> None:
         super().__init__()
         self.post_norm, self.gate, self.up, self.down = block.post_norm, block.gate, block.up, block.down
+        self.tile_tokens = tile_tokens
 
     def forward(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, labels = batch
-        return x + _mlp(self, x), labels
+        return x + tiled(self, functools.partial(_mlp, self), x, self.tile_tokens), labels
 
 
 class Head(nn.Module):
@@ -160,12 +181,15 @@ def build(shape: Shape) -> nn.Sequential:
     return nn.Sequential(embed, *(Block(shape) for _ in range(shape.layers)), Head(shape, embed))
 
 
-def split_blocks(model: nn.Sequential) -> nn.Sequential:
+def split_blocks(model: nn.Sequential, tile_tokens: int | None = None) -> nn.Sequential:
     """The same model (the same parameters) with each block as two layers, attention and MLP: what
-    ``RoundPipeStrategy(split_decoder_layers=True)`` does to a Hugging Face model. Call after :func:`init`."""
+    ``RoundPipeStrategy(split_decoder_layers=True)`` does to a Hugging Face model. ``tile_tokens``: the
+    token-wise parts of both halves over at most that many tokens at a time (the Hugging Face preset's
+    ``tile_tokens`` reaches the attention's input norm only: transformers runs the q/k norms). Call
+    after :func:`init`."""
     layers = [model[0]]
     for block in list(model)[1:-1]:
-        layers += [AttentionHalf(block), MlpHalf(block)]
+        layers += [AttentionHalf(block, tile_tokens), MlpHalf(block, tile_tokens)]
     return nn.Sequential(*layers, model[-1])
 
 

@@ -105,7 +105,9 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
         return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
 
     monkeypatch.setattr(baselines, "probe", probe)
-    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=True)
+    args = argparse.Namespace(
+        seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=True, tile_tokens=0
+    )
     reports = []
     found = baselines.max_seq(args, "roundpipe", reports.append)
     assert found["max_seq_len"] == 80 and found["first_failure"] == 88
@@ -124,7 +126,9 @@ def test_a_time_limit_while_bisecting_leaves_the_search_inconclusive(monkeypatch
 
     answers = {16: (True, "", ""), 32: (True, "", ""), 64: (False, "GPU memory", "oom"), 48: (False, "time limit", "")}
     monkeypatch.setattr(baselines, "probe", lambda args, config, seq: answers[seq])
-    args = argparse.Namespace(seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=False)
+    args = argparse.Namespace(
+        seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=False, tile_tokens=0
+    )
     found = baselines.max_seq(args, "fsdp-offload")
     assert found["inconclusive"] and found["max_seq_len"] == 32 and found["first_failure"] == 64
 
@@ -188,16 +192,17 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_baselines_roundpipe_with_split_blocks_runs_on_cpu(tmp_path):
+def test_baselines_roundpipe_with_split_and_tiled_blocks_runs_on_cpu(tmp_path):
     out = tmp_path / "result.json"
-    args = [*SMOKE["baselines"], "--configs", "roundpipe", "--split-blocks", "--out", str(out)]
+    tiles = ["--split-blocks", "--tile-tokens", "8"]  # 64 tokens per micro-batch: 8 tiles per MLP layer
+    args = [*SMOKE["baselines"], "--configs", "roundpipe", *tiles, "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), *args], capture_output=True, text=True,
         timeout=220, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
-    assert result.get("split_blocks") is True and "error" not in result
+    assert result.get("split_blocks") is True and result.get("tile_tokens") == 8 and "error" not in result
 
 
 def test_split_blocks_is_the_same_model_with_twice_the_layers():
@@ -213,12 +218,16 @@ def test_split_blocks_is_the_same_model_with_twice_the_layers():
     shape = SHAPES["debug"]
     whole = init(build(shape))
     halves = split_blocks(copy.deepcopy(whole))
+    tiled = split_blocks(copy.deepcopy(whole), tile_tokens=5)  # 32 tokens: 7 tiles per MLP layer
     assert len(halves) == 2 + 2 * shape.layers
     assert sum(p.numel() for p in halves.parameters()) == sum(p.numel() for p in whole.parameters())
     tokens = torch.randint(0, shape.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
-    losses = [model((tokens, tokens)) for model in (whole, halves)]
+    losses = [model((tokens, tokens)) for model in (whole, halves, tiled)]
     for loss in losses:
         loss.backward()
     assert torch.equal(losses[0], losses[1])
     for a, b in zip(whole.parameters(), halves.parameters()):  # same registration order
         assert torch.equal(a.grad, b.grad)
+    assert torch.allclose(losses[2], losses[0], rtol=1e-6)  # tiles sum the weight gradients in another order
+    for a, b in zip(whole.parameters(), tiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
