@@ -226,7 +226,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     split = args.split_blocks and roundpipe  # the baselines checkpoint whole blocks either way
     if args.tile_tokens and not args.split_blocks:
-        raise SystemExit("--tile-tokens tiles the MLP layers of --split-blocks; pass both")
+        raise SystemExit("--tile-tokens tiles the layers of --split-blocks; pass both")
     tile = args.tile_tokens if split else None
     module = Model(shape, optimizer, split=split, tile_tokens=tile)
     parameters = num_parameters(module.model)  # before fit: ZeRO-3 leaves partitioned (empty) parameters
@@ -380,7 +380,7 @@ def main() -> None:
         "--split-blocks", action="store_true", help="roundpipe's model: each block as two layers (attention, MLP)"
     )
     p.add_argument(
-        "--tile-tokens", type=int, default=0, help="with --split-blocks: MLP layers over at most N tokens at once"
+        "--tile-tokens", type=int, default=0, help="with --split-blocks: token-wise parts over at most N tokens at once"
     )
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")

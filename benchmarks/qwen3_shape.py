@@ -116,7 +116,7 @@ def _attention(m: nn.Module, x: Tensor, tile_tokens: int | None = None) -> Tenso
         qkv = tiled(m, functools.partial(_qkv, m), x, tile_tokens)
         q, k, v = qkv.split([m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim], dim=-1)
         q, k = q.view(b, t, m.heads, m.head_dim), k.view(b, t, m.kv_heads, m.head_dim)
-        v = v.reshape(b, t, m.kv_heads, m.head_dim)  # a copy: SDPA keeping a view would keep all of qkv
+        v = v.contiguous().view(b, t, m.kv_heads, m.head_dim)  # a copy: SDPA keeping a view keeps all of qkv
     angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * m.inv_freq[None, :]
     cos, sin = (f(angles)[None, :, None, :].to(q.dtype) for f in (torch.cos, torch.sin))
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -23,10 +23,10 @@ SMOKE = {
                 "--double-buffer", "first", *TINY],
     "hf_preset": ["--device", "cpu", "--model", "debug", "--configs", "handwritten,preset,preset-padded", "--seqs",
                   "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", *TINY],
-    "moe_lora": ["--device", "cpu", "--shape", "debug"],
+    "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
                           "2", "--warmup", "1", *TINY],
-    "schedules": ["--device", "cpu", "--model", "debug"],
+    "schedules": ["--device", "cpu", "--models", "debug", "--micro-batch", "2", *TINY],
     "throughput": ["--device", "cpu", "--model", "debug", "--configs", "plain,roundpipe-priority,roundpipe-none",
                    "--seqs", "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--fused-blocks", "1",
                    *TINY],
@@ -154,7 +154,7 @@ def test_probe_reads_what_ran_out_from_the_error(monkeypatch):
 
     monkeypatch.setattr(baselines.subprocess, "run", run)
     args = argparse.Namespace(model="debug", device="cpu", workers=1, double_buffer="none", gpu_memory=0.8,
-                              gpu_gib=24.0, probe_timeout=1, split_blocks=False)  # fmt: skip
+                              gpu_gib=24.0, probe_timeout=1, split_blocks=False, tile_tokens=0)  # fmt: skip
     monkeypatch.setenv("CASE", "infeasible")
     fits, why, detail = baselines.probe(args, "roundpipe", 131072)
     assert not fits and why == "GPU memory (no plan fits)" and "19.33 GiB" in detail

@@ -434,6 +434,39 @@ def test_moe_without_aux_loss_equals_the_whole_batch_run():
     assert_equals_the_model_run_directly(tiny_moe(aux=False))
 
 
+def test_tiled_moe_layers_equal_the_model_run_directly_and_aux_losses_refuse_tiles():
+    assert_equals_the_model_run_directly(tiny_moe(aux=False), split=True, tile_tokens=7)  # 3 tiles per call
+    layers = hf.build_layers(tiny_moe(aux=True), split_decoder_layers=True, tile_tokens=7)
+    stage = next(s for s in layers if isinstance(s, hf.MlpStage))
+    sums = torch.zeros(4)
+    with pytest.raises(ValueError, match="output_router_logits"):
+        stage((torch.randn(1, 20, 32), None, None, None, sums))
+
+
+def test_tiled_layers_in_bf16_through_the_engine_stay_within_bf16_of_untiled():
+    batch = padded_batch()
+    results = []
+    for tile_tokens in (None, 7):
+        model = tiny("qwen3")
+        layers = hf.build_layers(model, split_decoder_layers=True, tile_tokens=tile_tokens)
+        engine = PipelineEngine(
+            layers, [WorkerDevice("cpu", i) for i in range(2)], plan=StagePlan.parse("3,3|2,3,3"),
+            microbatches_per_round=3, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16,
+        )  # fmt: skip
+        try:
+            inputs = (batch["input_ids"], *hf.plain_inputs(batch["attention_mask"], None), batch["labels"])
+            loss = engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
+            engine.store.install_grads()
+            results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        finally:
+            engine.close()
+    (loss, grads), (tiled_loss, tiled_grads) = results
+    assert relative_error(tiled_loss, loss) <= 1e-2
+    assert tiled_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert relative_error(tiled_grads[name], grad) <= 2e-2, name
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_moe_aux_loss_is_the_models_own_per_micro_batch(split):
     """With output_router_logits the loss includes router_aux_loss_coef x the load-balancing loss of each

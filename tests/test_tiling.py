@@ -84,3 +84,36 @@ def test_random_draws_and_bad_tiles_are_refused():
     Mlp(4, dropout=0.1).eval()(torch.randn(1, 9, 16))  # no draws in eval mode
     with pytest.raises(ValueError, match="at least 1"):
         Mlp(0)(torch.randn(1, 9, 16))
+
+
+def test_tiles_keep_the_inputs_rank_and_shared_tensors_get_every_use():
+    """A (batch, sequence, hidden) input gives (1, tile, hidden) tiles (transformers' MoE blocks unpack
+    three dimensions); a parameter used by two submodules, and a submodule registered twice, sum both
+    uses; integer buffers travel along."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b.weight = self.a.weight
+            self.again = self.a
+            self.register_buffer("steps", torch.tensor(3))
+            self.shapes: list[tuple[int, ...]] = []
+
+        def branch(self, h: torch.Tensor) -> torch.Tensor:
+            self.shapes.append(tuple(h.shape))
+            return self.again(torch.tanh(self.b(self.a(h)))) * self.steps
+
+        def forward(self, x: torch.Tensor, tile_tokens: int | None) -> torch.Tensor:
+            return tiled(self, self.branch, x, tile_tokens)
+
+    x, g = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    grads = []
+    for tile_tokens in (None, 4):
+        module = Shared()
+        module(x, tile_tokens).backward(g)
+        grads.append([p.grad for p in module.parameters()])
+    assert module.shapes == [(1, 4, 8), (1, 4, 8), (1, 4, 8)] * 2  # 12 tokens: forward, then recompute
+    for a, b in zip(*grads):
+        assert relative_error(b, a) <= 1e-6

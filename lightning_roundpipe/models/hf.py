@@ -82,8 +82,8 @@ class AttentionStage(nn.Module):
     With :class:`MlpStage` after it, the same arithmetic as the block (``split_decoder_layers``).
 
     ``tile_tokens``: the input norm over at most this many tokens at a time, keeping only its input (its
-    fp32 intermediates are 16 of the 56 KiB per token this half keeps on the Qwen3-1.7B shape). The
-    norms inside the attention module (Qwen3's q/k norms) run in transformers' code, untiled."""
+    fp32 intermediates are 8 of the 47 KiB per token this half keeps on a Qwen3-1.7B-shaped model,
+    bf16). The norms inside the attention module (Qwen3's q/k norms) run in transformers' code, untiled."""
 
     def __init__(
         self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int, tile_tokens: int | None = None
@@ -113,7 +113,8 @@ class MlpStage(nn.Module):
 
     ``tile_tokens``: run the norm and the MLP over at most this many tokens at a time
     (:func:`~lightning_roundpipe.models.tiling.tiled`), so the stage keeps only its input for backward
-    (4 of 68 KiB per token on the Qwen3-1.7B shape) and one tile's intermediates are alive at a time."""
+    (4 instead of 64 KiB per token on a Qwen3-1.7B-shaped model, bf16) and one tile's intermediates are
+    alive at a time."""
 
     def __init__(self, layer: nn.Module, config: Any, tile_tokens: int | None = None) -> None:
         super().__init__()

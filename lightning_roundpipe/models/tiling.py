@@ -29,8 +29,11 @@ from torch import Tensor, nn
 def tiled(module: nn.Module, fn: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int | None) -> Tensor:
     """``fn(x)`` for a token-wise ``fn`` (each position along every dimension but the last is computed
     alone), at most ``tile_tokens`` tokens at a time; ``None`` or a sequence that fits in one tile is
-    one plain call. ``fn`` may use only tensors that ``module`` holds (its parameters and buffers):
-    they are the ones bound again for the recompute in backward."""
+    one plain call. A tile keeps ``x``'s rank: all leading dimensions but the last one are 1 (a
+    ``(batch, sequence, hidden)`` input gives ``(1, tile, hidden)`` tiles). ``fn`` may use only tensors
+    that ``module`` holds (its parameters and buffers): they are the ones bound again for the recompute
+    in backward. Random draws are refused where they can be seen (dropout modules in training mode);
+    ``fn`` must not draw any other way either (``F.dropout``)."""
     if tile_tokens is None:
         return fn(x)
     if tile_tokens < 1:
@@ -47,8 +50,7 @@ def tiled(module: nn.Module, fn: Callable[[Tensor], Tensor], x: Tensor, tile_tok
             )
     names, tensors = _held(module)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in tensors)):
-        flat = x.reshape(tokens, x.shape[-1])
-        return _join([_checked(fn(tile)) for tile in flat.split(tile_tokens)], x.shape[:-1])
+        return _forward(fn, x, tile_tokens)
     return _Tiled.apply(module, fn, names, tile_tokens, x, *tensors)
 
 
@@ -58,15 +60,25 @@ def _held(module: nn.Module) -> tuple[list[str], list[Tensor]]:
     return [n for n, _ in named], [t for _, t in named]
 
 
-def _checked(out: Any) -> Tensor:
-    if not isinstance(out, Tensor):
-        raise TypeError(f"a tiled function must return one tensor per tile, got {type(out).__name__}")
-    return out
+def _tokens(x: Tensor) -> Tensor:
+    """``x`` as one row of tokens of its own rank: ``(1, ..., 1, tokens, last)``."""
+    return x.reshape((1,) * (x.dim() - 2) + (-1, x.shape[-1]))
 
 
-def _join(outs: list[Tensor], leading: torch.Size) -> Tensor:
-    out = torch.cat(outs)
-    return out.view(*leading, out.shape[-1])
+def _forward(fn: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int) -> Tensor:
+    """The tiles' outputs written into one buffer as they come: never the tiles and their join at once."""
+    rows = _tokens(x)
+    total, out = rows.shape[-2], None
+    for start in range(0, total, tile_tokens):
+        y = fn(rows[..., start : start + tile_tokens, :])
+        if not isinstance(y, Tensor):
+            raise TypeError(f"a tiled function must return one tensor per tile, got {type(y).__name__}")
+        if out is None:
+            out = y.new_empty((*y.shape[:-2], total, y.shape[-1]))
+        out[..., start : start + y.shape[-2], :] = y
+        del y
+    assert out is not None
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @contextlib.contextmanager
@@ -98,30 +110,32 @@ class _Tiled(torch.autograd.Function):
         ctx.module, ctx.fn, ctx.names, ctx.tile_tokens = module, fn, names, tile_tokens
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, *tensors)
-        flat = x.reshape(-1, x.shape[-1])
-        return _join([_checked(fn(tile)) for tile in flat.split(tile_tokens)], x.shape[:-1])
+        return _forward(fn, x, tile_tokens)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, *held = ctx.saved_tensors
         device = x.device
-        flat = x.reshape(-1, x.shape[-1])
-        grads_out = grad_out.reshape(flat.shape[0], -1)
-        grad_x = torch.empty_like(flat) if ctx.needs_input_grad[4] else None
+        rows = _tokens(x)
+        grads_out = _tokens(grad_out)
+        grad_x = torch.zeros_like(rows) if ctx.needs_input_grad[4] else None
         wanted = [i for i, t in enumerate(held) if ctx.needs_input_grad[5 + i]]
         sums: dict[int, Tensor] = {}  # low-precision weights sum their tiles' gradients in fp32
         enabled, dtype = ctx.autocast
+        # no autocast cache: each tile's weights are new leaves, and a cache would keep every tile's casts
+        recompute = torch.autocast(device.type, dtype, enabled=enabled, cache_enabled=False)
         with torch.enable_grad():
-            for start in range(0, flat.shape[0], ctx.tile_tokens):
-                stop = min(flat.shape[0], start + ctx.tile_tokens)
-                tile = flat[start:stop].detach().requires_grad_(grad_x is not None)
+            for start in range(0, rows.shape[-2], ctx.tile_tokens):
+                window = (..., slice(start, start + ctx.tile_tokens), slice(None))
+                tile = rows[window].detach().requires_grad_(grad_x is not None)
                 tensors = tuple(t.detach().requires_grad_(i in wanted) for i, t in enumerate(held))
-                with _bound(ctx.module, ctx.names, tensors), torch.autocast(device.type, dtype, enabled=enabled):
+                with _bound(ctx.module, ctx.names, tensors), recompute:
                     out = ctx.fn(tile)
                 inputs = ([tile] if grad_x is not None else []) + [tensors[i] for i in wanted]
-                grads = torch.autograd.grad(out, inputs, grads_out[start:stop], allow_unused=True)
+                grads = torch.autograd.grad(out, inputs, grads_out[window], allow_unused=True)
                 if grad_x is not None:
-                    grad_x[start:stop] = grads[0]
+                    if grads[0] is not None:  # None: fn ignored its input
+                        grad_x[window] = grads[0]
                     grads = grads[1:]
                 for i, g in zip(wanted, grads):
                     if g is None:
