@@ -89,17 +89,7 @@ def test_loss_and_gradients_equal_the_model_run_directly(arch, attn, tied, split
 def test_layers_tiled_over_tokens_give_the_model_run_directly(arch):
     """Each micro-batch holds 20 tokens; tiles of 7 make three tiles per MLP and input-norm call, in
     forward stages (no autograd) and in backward stages (recomputed tile by tile)."""
-    model = tiny(arch)
-    reference = copy.deepcopy(model)
-    batch = padded_batch()
-    loss, grads = engine_loss_and_grads(model, batch, plan=StagePlan.parse("3,3|2,3,3"), split=True, tile_tokens=7)
-    want = reference(**batch)
-    want.loss.backward()
-    assert relative_error(loss, want.loss.detach()) <= 1e-5
-    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    assert grads.keys() == expected.keys()
-    for name, grad in grads.items():
-        assert relative_error(grad, expected[name]) <= 1e-5, name
+    assert_equals_the_model_run_directly(tiny(arch), plan=StagePlan.parse("3,3|2,3,3"), split=True, tile_tokens=7)
 
 
 def test_tiled_layers_keep_less_for_backward():
@@ -425,9 +415,10 @@ def assert_equals_the_model_run_directly(model: torch.nn.Module, **engine_kwargs
     want = reference(**batch)
     want.loss.backward()
     assert relative_error(loss, want.loss.detach()) <= 1e-5
-    for name, p in reference.named_parameters():
-        if p.grad is not None:
-            assert relative_error(grads[name], p.grad) <= 1e-5, name
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert relative_error(grads[name], grad) <= 1e-5, name
 
 
 def test_moe_without_aux_loss_equals_the_whole_batch_run():
