@@ -261,6 +261,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             "peak_gpu_gib_per_device": peaks,
             "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
             "parameters": parameters,
+            "model": args.model,
             "gpu_cap_gib": args.gpu_gib or None,
             "seq_len": args.seq_len,
             **({"split_blocks": True} if split else {}),
@@ -329,7 +330,7 @@ def max_seq(
 
     def answer(**extra: Any) -> dict[str, Any]:
         return {"config": config, "max_seq_len": good, "first_failure": bad, "ran_out_of": why, "cap": args.seq_cap,
-                "workers": args.workers, "gpu_cap_gib": args.gpu_gib or None,
+                "workers": args.workers, "model": args.model, "gpu_cap_gib": args.gpu_gib or None,
                 "failure_detail": details.get(bad, ""), "probes": probes,
                 **({"split_blocks": True} if roundpipe and args.split_blocks else {}),
                 **({"tile_tokens": args.tile_tokens} if roundpipe and args.tile_tokens else {}),

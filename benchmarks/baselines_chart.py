@@ -1,4 +1,4 @@
-"""Bar chart of ``baselines.py`` results: tokens/s per system on each card, and the longest sequence.
+"""Bar chart of ``baselines.py`` results: tokens/s per system for each model and card, and the longest sequence.
 
 Reads any number of the JSON files ``baselines.py`` writes (throughput runs and ``--max-seq`` runs alike)
 and draws what they hold; a system without a number on a card gets no bar rather than a guessed one.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,30 +22,37 @@ ORDER = (
 ``-tiled`` adds ``--tile-tokens``."""
 
 
-def card(result: dict[str, Any]) -> str:
+def card(result: dict[str, Any], command: str = "") -> str:
+    """The group a result is drawn in: the model shape and the card. Files written before results
+    carried their model say it only in their command (and the 1.7B shape was the default)."""
+    flag = re.search(r"--model\s+(\S+)", command)
+    model = result.get("model") or (flag.group(1) if flag else "qwen3-1.7b")
     cap = result.get("gpu_cap_gib")
-    return f"{cap:g} GiB card" if cap else "full card"
+    return f"{model}, " + (f"{cap:g} GiB card" if cap else "full card")
 
 
 def collect(paths: list[str]) -> tuple[dict[str, dict[str, float]], dict[str, tuple[int, int | None, bool, str]]]:
-    """(tokens/s by card and system; by system: the longest sequence that fit, the first that failed, and
-    whether the search narrowed the gap between them to its step, and the card)."""
+    """(tokens/s by model and card, then system; by system: the longest sequence that fit, the first that
+    failed, whether the search narrowed the gap between them to its step, and the model and card). A
+    ``single_probe`` result is one length that fit, with no search above it."""
     speed: dict[str, dict[str, float]] = {}
     longest: dict[str, tuple[int, int | None, bool, str]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
         # files written before max-seq results carried the flag say it only in their command
-        split_run = "--split-blocks" in data.get("meta", {}).get("command", "")
+        command = data.get("meta", {}).get("command", "")
+        command = " ; ".join(command) if isinstance(command, list) else command  # some files ran several
+        split_run = "--split-blocks" in command
         for r in data["results"]:
             if "error" in r:
                 continue
             split = r["config"] == "roundpipe" and (r.get("split_blocks") or split_run)
             name = r["config"] + ("-split" if split else "") + ("-tiled" if split and r.get("tile_tokens") else "")
             if "max_seq_len" in r:
-                done = not r.get("inconclusive") and not r.get("searching")
-                longest[name] = (r["max_seq_len"], r.get("first_failure"), done, card(r))
+                done = not r.get("inconclusive") and not r.get("searching") and not r.get("single_probe")
+                longest[name] = (r["max_seq_len"], r.get("first_failure"), done, card(r, command))
             elif "tokens_per_s" in r:
-                speed.setdefault(card(r), {})[name] = r["tokens_per_s"]
+                speed.setdefault(card(r, command), {})[name] = r["tokens_per_s"]
     return speed, longest
 
 
@@ -69,12 +77,15 @@ def draw(speed: dict[str, dict[str, float]], longest: dict[str, tuple[int, int |
     left.legend(fontsize=8)
     systems = [s for s in ORDER if s in longest]
     bars = right.bar(range(len(systems)), [longest[s][0] for s in systems], color="tab:green")
-    labels = [
-        f"{fit:,}" + ("" if done or failed is None else f"\n(fails at {failed:,}; between not searched)")
-        for fit, failed, done, _ in (longest[s] for s in systems)
-    ]
+
+    def note(failed: int | None, done: bool) -> str:
+        if done:
+            return ""
+        return "\n(longer not tried)" if failed is None else f"\n(fails at {failed:,}; between not searched)"
+
+    labels = [f"{fit:,}" + note(failed, done) for fit, failed, done, _ in (longest[s] for s in systems)]
     right.bar_label(bars, labels=labels, fontsize=7)
-    right.set_xticks(range(len(systems)), systems, fontsize=8)
+    right.set_xticks(range(len(systems)), [s.replace("-", "\n", 1) for s in systems], fontsize=8)
     right.set_ylabel("tokens in one sequence, micro-batch 1")
     right.set_title("Longest sequence that trains (" + ", ".join(sorted({c for _, _, _, c in longest.values()})) + ")")
     right.set_ylim(top=1.25 * max([fit for fit, _, _, _ in longest.values()], default=1))

@@ -170,21 +170,34 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
 
     run = {"results": [{"config": "plain", "tokens_per_s": 10.0}, {"config": "fsdp-offload", "error": "oom"},
                        {"config": "roundpipe", "tokens_per_s": 9.0, "gpu_cap_gib": 24.0}]}  # fmt: skip
+    older_4b = {"meta": {"command": "python benchmarks/baselines.py --model qwen3-4b --configs plain"},
+                "results": [{"config": "plain", "tokens_per_s": 4.0}]}  # fmt: skip
+    newer_4b = {"results": [{"config": "roundpipe", "tokens_per_s": 3.0, "model": "qwen3-4b", "gpu_cap_gib": 24.0}]}
     found = {"config": "roundpipe", "max_seq_len": 64, "first_failure": 96, "gpu_cap_gib": 24.0}
     partial = {"config": "fsdp-offload", "max_seq_len": 32, "first_failure": 64, "searching": True}
     search = {"results": [found, partial]}
     split = {"meta": {"command": "python benchmarks/baselines.py --max-seq roundpipe --split-blocks"},
              "results": [{**found, "max_seq_len": 128, "first_failure": 160}]}  # fmt: skip
+    tiled = {"results": [{**found, "max_seq_len": 256, "first_failure": None, "split_blocks": True,
+                          "tile_tokens": 16, "single_probe": True}]}  # fmt: skip
     paths = []
-    for name, content in (("run", run), ("search", search), ("split", split)):
+    files = (("run", run), ("older_4b", older_4b), ("newer_4b", newer_4b), ("search", search), ("split", split),
+             ("tiled", tiled))  # fmt: skip
+    for name, content in files:
         paths.append(str(tmp_path / f"{name}.json"))
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     speed, longest = baselines_chart.collect(paths)
-    assert speed == {"full card": {"plain": 10.0}, "24 GiB card": {"roundpipe": 9.0}}  # no bar for a failure
+    assert speed == {  # no bar for a failure; each model shape in its own groups
+        "qwen3-1.7b, full card": {"plain": 10.0},
+        "qwen3-1.7b, 24 GiB card": {"roundpipe": 9.0},
+        "qwen3-4b, full card": {"plain": 4.0},
+        "qwen3-4b, 24 GiB card": {"roundpipe": 3.0},
+    }
     assert longest == {
-        "roundpipe": (64, 96, True, "24 GiB card"),
-        "fsdp-offload": (32, 64, False, "full card"),
-        "roundpipe-split": (128, 160, True, "24 GiB card"),  # not roundpipe's: its command split the blocks
+        "roundpipe": (64, 96, True, "qwen3-1.7b, 24 GiB card"),
+        "fsdp-offload": (32, 64, False, "qwen3-1.7b, full card"),
+        "roundpipe-split": (128, 160, True, "qwen3-1.7b, 24 GiB card"),  # its command split the blocks
+        "roundpipe-split-tiled": (256, None, False, "qwen3-1.7b, 24 GiB card"),  # one probe is not a search
     }
     pytest.importorskip("matplotlib")
     baselines_chart.draw(speed, longest, str(tmp_path / "chart.png"))
