@@ -65,16 +65,35 @@ def run_configs(
     return results
 
 
+def add_in_process_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every configuration in this process, one after another: for CPU smoke tests, which would"
+        " otherwise spend most of their time importing torch and Lightning again per configuration; a GPU"
+        " measurement wants the fresh process of each (its own allocator, peaks and pinned memory)",
+    )
+
+
 def run_or_drive(
     script: str, args: argparse.Namespace, run_one: Callable[[argparse.Namespace], dict[str, Any]]
 ) -> list[dict[str, Any]] | None:
     """The two ways a benchmark script runs: ``--run CONFIG`` measures one configuration in this process
     and prints its ``RESULT`` line (returns ``None``); otherwise every ``--configs`` entry runs in a fresh
-    process of ``script`` with the same options, and their results come back."""
+    process of ``script`` with the same options, and their results come back. With ``--in-process`` the
+    entries run here instead, their results through the same JSON round trip as a ``RESULT`` line."""
     if args.run:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
         return None
-    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out")}
+    if getattr(args, "in_process", False):
+        results = []
+        for config in args.configs.split(","):
+            t0 = time.perf_counter()
+            result = json.loads(json.dumps(run_one(argparse.Namespace(**{**vars(args), "run": config}))))
+            results.append({**result, "config": config, "wall_s": time.perf_counter() - t0})
+            print(f"{config}: done in {results[-1]['wall_s']:.0f} s (in this process)", flush=True)
+        return results
+    shared = {k: v for k, v in vars(args).items() if k not in ("run", "configs", "out", "in_process")}
     return run_configs(script, args.configs.split(","), shared, timeout=getattr(args, "config_timeout", 0) or None)
 
 

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_or_drive, write
+from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, build, init, init_hf, num_parameters
 from throughput import batch, default_plan
 
@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None)
+    add_in_process_flag(p)
     args = p.parse_args()
     results = run_or_drive(__file__, args, run_one)
     if results is None:  # this process measured one configuration

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_or_drive, write
+from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, build, init, num_parameters
 from throughput import batch, default_plan
 
@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
+    add_in_process_flag(p)
     args = p.parse_args()
     results = run_or_drive(__file__, args, run_one)
     if results is None:  # this process measured one configuration

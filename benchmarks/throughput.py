@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _driver import run_or_drive, write
+from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
 
@@ -393,6 +393,7 @@ def main() -> None:
     p.add_argument("--gpu-gib", type=float, default=0.0, help="emulate a card of this many GiB")
     p.add_argument("--profile", default=None, help="profile one extra step; write kernel tables to this folder")
     p.add_argument("--out", default=None)
+    add_in_process_flag(p)
     args = p.parse_args()
 
     results = run_or_drive(__file__, args, run_one)

@@ -22,14 +22,14 @@ SMOKE = {
     "scaling": ["--device", "cpu", "--models", "debug", "--gpus", "1,2", "--seqs", "4", "--steps", "2",
                 "--double-buffer", "first", *TINY],
     "hf_preset": ["--device", "cpu", "--model", "debug", "--configs", "handwritten,preset,preset-padded", "--seqs",
-                  "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", *TINY],
+                  "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--in-process", *TINY],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
-                          "2", "--warmup", "1", *TINY],
+                          "2", "--warmup", "1", "--in-process", *TINY],
     "schedules": ["--device", "cpu", "--models", "debug", "--micro-batch", "2", *TINY],
     "throughput": ["--device", "cpu", "--model", "debug", "--configs", "plain,roundpipe-priority,roundpipe-none",
                    "--seqs", "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--fused-blocks", "1",
-                   *TINY],
+                   "--in-process", *TINY],
     "soak": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--microbatches", "2", "--steps", "20",
              "--settle", "5", *TINY],
 }  # fmt: skip
@@ -106,7 +106,14 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
 
     monkeypatch.setattr(baselines, "probe", probe)
     args = argparse.Namespace(
-        seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=True, tile_tokens=0
+        seq_len=16,
+        seq_step=8,
+        seq_cap=1 << 20,
+        workers=1,
+        gpu_gib=24.0,
+        split_blocks=True,
+        tile_tokens=0,
+        model="debug",
     )
     reports = []
     found = baselines.max_seq(args, "roundpipe", reports.append)
@@ -127,7 +134,14 @@ def test_a_time_limit_while_bisecting_leaves_the_search_inconclusive(monkeypatch
     answers = {16: (True, "", ""), 32: (True, "", ""), 64: (False, "GPU memory", "oom"), 48: (False, "time limit", "")}
     monkeypatch.setattr(baselines, "probe", lambda args, config, seq: answers[seq])
     args = argparse.Namespace(
-        seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=False, tile_tokens=0
+        seq_len=16,
+        seq_step=8,
+        seq_cap=1 << 20,
+        workers=1,
+        gpu_gib=24.0,
+        split_blocks=False,
+        tile_tokens=0,
+        model="debug",
     )
     found = baselines.max_seq(args, "fsdp-offload")
     assert found["inconclusive"] and found["max_seq_len"] == 32 and found["first_failure"] == 64
