@@ -63,6 +63,7 @@ from qwen3_shape import SHAPES, Block, build, flops_per_token, init, num_paramet
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
 
 CONFIGS = ("plain", "fsdp-offload", "zero3-offload", "zero2-offload", "roundpipe")
 GiB = 2**30
@@ -139,7 +140,7 @@ class Clock(L.Callback):
             return
         if trainer.global_step == self.warmup and torch.cuda.is_available():
             for device in range(torch.cuda.device_count()):
-                torch.cuda.reset_peak_memory_stats(device)
+                reset_peak_memory_stats(device)  # and roundpipe's record of what its profiling cleared
         if trainer.global_step >= self.warmup:
             engine = getattr(trainer.strategy, "engine", None)
             if engine is None and torch.cuda.is_available():
@@ -161,7 +162,11 @@ class Clock(L.Callback):
             costs = None if engine.layer_costs is None else asdict(engine.layer_costs)
             self.engine = {"plan": str(engine.plan), "predicted_bubble": engine.predicted_bubble,
                            "workers": engine.num_workers, "handoff_s": engine.handoff,
-                           "layer_costs": costs}  # fmt: skip  # what the plan was made from
+                           "layer_costs": costs,  # what the plan was made from
+                           # where the host memory went: model states, and all that is page-locked
+                           # (the states' compute copies and gradients, plus the pool's buffers in transit)
+                           "store_gib": engine.store.nbytes() / GiB, "pinned_gib": engine.pool.pinned_bytes / GiB,
+                           "pool_gib": engine.pool.buffer_bytes / GiB}  # fmt: skip
 
 
 def strategy_for(
@@ -240,7 +245,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         timed = len(clock.stamps) - 1
         tokens_per_s = args.seqs * args.seq_len * timed / seconds
         with_drain = args.seqs * args.seq_len * timed / (clock.drained - clock.stamps[0])
-        peaks = [torch.cuda.max_memory_allocated(d) / GiB for d in range(torch.cuda.device_count())] if cuda else []
+        peaks = [max_memory_allocated(d) / GiB for d in range(torch.cuda.device_count())] if cuda else []
         moved = {}
         if roundpipe and len(clock.moved) == 2:
             (up0, down0), (up1, down1) = clock.moved

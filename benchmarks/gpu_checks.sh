@@ -8,6 +8,7 @@
 #        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 #        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
+#        baselines-4b-24gib baselines-4b-24gib-zero (after ds-setup)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
@@ -97,6 +98,12 @@ for step in "${steps[@]}"; do
     baselines-4b-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
       run baselines-4b-zero 580 python benchmarks/baselines.py --model qwen3-4b --configs zero2-offload,zero3-offload \
         --warmup 4 --config-timeout 285 --out "$OUT/baselines-4b-zero.json" ;;
+    baselines-4b-24gib)  # measured 2026-12-01: roundpipe 114 s, fsdp-offload 158 s (11,605 and 9,366 tokens/s)
+      run baselines-4b-24gib 530 python benchmarks/baselines.py --model qwen3-4b --configs roundpipe,fsdp-offload \
+        --gpu-gib 24 --warmup 4 --config-timeout 250 --out "$OUT/baselines-4b-24gib.json" ;;
+    baselines-4b-24gib-zero) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"
+      run baselines-4b-24gib-zero 580 python benchmarks/baselines.py --model qwen3-4b --configs zero2-offload,zero3-offload \
+        --gpu-gib 24 --warmup 4 --config-timeout 285 --out "$OUT/baselines-4b-24gib-zero.json" ;;
     maxseq24-roundpipe-split) run "$step" 560 python benchmarks/baselines.py --max-seq roundpipe --split-blocks \
       --gpu-gib 24 --seq-len 131072 --seq-step 16384 --probe-timeout 200 --out "$OUT/$step.json" ;;
     baselines-split)  # roundpipe with each block as two layers, on the full card and on 24 GiB: what the split costs

@@ -24,6 +24,8 @@ from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, build, init, init_hf, num_parameters
 from throughput import batch, default_plan
 
+from lightning_roundpipe.runtime.device import max_memory_allocated
+
 CONFIGS = ("handwritten", "preset", "preset-padded")
 """``preset-padded``: the preset with a padding mask (the last 64 tokens of one sequence per micro-batch
 padded), the case where transformers' mask code used to wait for the GPU in every block."""
@@ -100,7 +102,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         times = [step(args.warmup + i) for i in range(args.steps)]
     finally:
         engine.close()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    peak = max_memory_allocated() / 2**30 if cuda else 0.0
     return {
         "fwd_bwd_s": times,
         "tokens_per_s": args.seqs * args.seq_len * len(times) / sum(times),

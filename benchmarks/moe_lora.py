@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen3_shape import init_hf
 
+from lightning_roundpipe.runtime.device import max_memory_allocated
+
 SHAPES = {
     "qwen3-30b-a3b": dict(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -123,7 +125,7 @@ def main() -> None:
         "trainable": sum(p.numel() for p in trainable),
         "step_s": times,
         "tokens_per_s": args.seqs * args.seq_len * len(times) / sum(times),
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0,
+        "peak_gpu_gib": max_memory_allocated() / GiB if cuda else 0.0,
         "gpu_cap_gib": args.gpu_gib if cuda else None,
         "host_rss_gib": (psutil.Process().memory_info().rss - rss0) / GiB,
         "frozen_host_bytes_per_frozen_param": frozen / (params - sum(p.numel() for p in trainable)),

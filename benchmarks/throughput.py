@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, Shape, build, flops_per_token, init, num_parameters
 
+from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
+
 
 def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, Any]:
     """Run ``step()`` under the profiler (device activity only: host-side tracing of every op would slow
@@ -156,11 +158,11 @@ def _sync(args: argparse.Namespace) -> None:
 
 def _reset_peak(args: argparse.Namespace) -> None:
     if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory_stats()  # and the record of peaks the layer profiling cleared
 
 
 def _peak_gib(args: argparse.Namespace) -> float:
-    return torch.cuda.max_memory_allocated() / GiB if args.device == "cuda" else 0.0
+    return max_memory_allocated() / GiB if args.device == "cuda" else 0.0
 
 
 def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:

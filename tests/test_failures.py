@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.runtime.host_pool import HostMemoryError, HostPool
 from lightning_roundpipe.schedule import StagePlan
 
 
@@ -291,3 +292,60 @@ def test_out_of_memory_in_a_stage_names_the_stage_and_what_to_change():
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "stage 3 (backward, layers 2-2) ran out of memory" in note
     assert "gpu_memory" in note and "num_microbatches" in note
+
+
+@pytest.mark.timeout(30)
+def test_host_memory_running_out_is_a_clear_error_and_the_engine_goes_on(monkeypatch):
+    """A buffer for activations in transit that the machine cannot hold raises ``HostMemoryError`` on the
+    worker that asked for it (downloading a stage's output; with CUDA the main thread's pinned copies of
+    the inputs ask the same pool); it reaches the caller with what to change, and the next batch, with
+    memory back, is exact."""
+    monkeypatch.setattr(HostPool, "check_every", 0)  # look at every buffer, however small
+    model, _ = build("forward")
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,1|2,2,2")
+    out_of_memory = threading.Event()
+
+    def available() -> int:
+        asking = threading.current_thread().name
+        return -1 if out_of_memory.is_set() and asking.startswith("roundpipe-worker") else 1 << 40
+
+    engine.pool.available, engine.pool.reserve = available, 0
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    try:
+        out_of_memory.set()
+        start = time.monotonic()
+        with pytest.raises(HostMemoryError, match="host memory") as info:
+            engine.train_batch(x, y, F.mse_loss)
+        assert time.monotonic() - start < 10
+        assert "shorter sequences" in str(info.value) and "gradient accumulation" in str(info.value)
+        out_of_memory.clear()
+        engine.store.clear_grads()
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        for got, want in zip(engine.store.parameters, reference.parameters()):
+            assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7)
+    finally:
+        engine.close()
+    assert isinstance(info.value, MemoryError)  # what baselines.py's probes read as the host running out
+
+
+def test_host_pool_leaves_its_reserve_free_and_reads_the_memory_sparingly(monkeypatch):
+    reads = []
+
+    def available() -> int:
+        reads.append(1)
+        return 3 * 2**30
+
+    pool = HostPool(pin=False, available=available, reserve=2 * 2**30)
+    pool.take(1024, torch.float32)
+    assert reads == []  # small buffers are counted, not checked one by one
+    monkeypatch.setattr(HostPool, "check_every", 8 * 2**20)
+    with pytest.raises(HostMemoryError, match=r"1\.25 GiB buffer .* leave 1\.75 GiB"):
+        pool.take(5 * 2**28 // 4, torch.float32)  # 1.25 GiB: checked before anything is allocated
+    assert len(reads) == 1
+    for _ in range(3):
+        pool.take(2**20, torch.float32)  # 4 MiB each: the second one crosses 8 MiB since the last look
+    assert len(reads) == 2

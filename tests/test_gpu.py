@@ -433,3 +433,19 @@ def test_failure_on_the_second_gpu_reaches_main_thread():
     finally:
         engine.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def test_peak_memory_survives_the_profilings_reset_of_the_counter():
+    from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
+
+    reset_peak_memory_stats(0)
+    base = torch.cuda.memory_allocated(0)
+    big = torch.empty(1 << 28, dtype=torch.float32, device="cuda:0")  # 1 GiB
+    del big
+    dev = CudaWorkerDevice(torch.device("cuda:0"), 0)
+    mark = dev.memory_mark()  # what the engine does before each profiled action
+    assert torch.cuda.max_memory_allocated(0) - base < 1 << 28  # PyTorch's counter lost the peak
+    assert max_memory_allocated(0) - base >= 1 << 30
+    assert dev.memory_peak_since(mark) == 0
+    reset_peak_memory_stats(0)
+    assert max_memory_allocated(0) - base < 1 << 28

@@ -188,6 +188,38 @@ class WorkerDevice:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
 
+_CLEARED_PEAKS: dict[int, int] = {}
+"""Per CUDA device index: the highest peak that a profiling reset cleared from PyTorch's counter."""
+_CLEARED_PEAKS_LOCK = threading.Lock()
+
+
+def _cuda_index(device: torch.device | str | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
+    """What ``torch.cuda.max_memory_allocated`` would say had the layer profiling not reset it.
+
+    Measuring each action's peak needs PyTorch's peak counter reset before the action, which clears the
+    peak anyone else was reading (a benchmark, ``DeviceStatsMonitor``). The engine folds each peak it is
+    about to clear into a record first; this is the larger of the record and the counter. Pair it with
+    :func:`reset_peak_memory_stats`."""
+    index = _cuda_index(device)
+    with _CLEARED_PEAKS_LOCK:
+        return max(_CLEARED_PEAKS.get(index, 0), torch.cuda.max_memory_allocated(index))
+
+
+def reset_peak_memory_stats(device: torch.device | str | int | None = None) -> None:
+    """``torch.cuda.reset_peak_memory_stats`` and the record :func:`max_memory_allocated` adds."""
+    index = _cuda_index(device)
+    with _CLEARED_PEAKS_LOCK:
+        _CLEARED_PEAKS.pop(index, None)
+        torch.cuda.reset_peak_memory_stats(index)
+
+
 class CudaWorkerDevice(WorkerDevice):
     """One CUDA device: a compute stream and four copy streams, created on the worker's thread."""
 
@@ -231,8 +263,11 @@ class CudaWorkerDevice(WorkerDevice):
 
     def memory_mark(self) -> Any:
         # the caching allocator's own count, at allocation time: what the device must hold
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        index = _cuda_index(self.device)
+        with _CLEARED_PEAKS_LOCK:  # keep the peak the reset clears: see max_memory_allocated
+            base = torch.cuda.memory_allocated(index)
+            _CLEARED_PEAKS[index] = max(_CLEARED_PEAKS.get(index, 0), torch.cuda.max_memory_allocated(index))
+            torch.cuda.reset_peak_memory_stats(index)
         return base
 
     def memory_peak_since(self, mark: Any) -> int:

@@ -5,18 +5,40 @@ double the host memory held for activations. This pool allocates ordinary host t
 size and page-locks them with ``cudaHostRegister``; a buffer given back returns to a free list keyed
 by size and is handed out again only when every device event it waits for has completed (queried,
 never waited on). Without CUDA the pool hands out plain tensors and pins nothing.
+
+At long sequences these buffers, not the model states, are what fills the host. Before allocating,
+the pool compares what it is about to take with the memory the machine has available, and raises
+:class:`HostMemoryError` on the thread that asked, naming what to change, rather than let the kernel's
+OOM killer end the process halfway through a step (no traceback, no checkpoint).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+GiB = 2**30
+
+
+class HostMemoryError(MemoryError):
+    """A host buffer the step needs would not fit in the memory the machine has left."""
+
+
+def available_host_bytes() -> int:
+    return psutil.virtual_memory().available
+
+
+def default_reserve() -> int:
+    """Memory left to everything else (the OS, Python objects, the optimizer's temporaries): 2 GiB or
+    1/32 of the machine, whichever is more."""
+    return max(2 * GiB, psutil.virtual_memory().total // 32)
 
 
 @dataclass
@@ -32,18 +54,51 @@ class Parcel:
 
 
 class HostPool:
-    """Exact-size host buffers, page-locked when ``pin`` (CUDA present)."""
+    """Exact-size host buffers, page-locked when ``pin`` (CUDA present).
 
-    def __init__(self, pin: bool) -> None:
+    ``available`` says how many bytes the machine has free (read at most once per ``check_every`` bytes
+    of new buffers, and for every buffer at least that large: reading it costs about 50 us);
+    ``reserve`` is what a new buffer must leave free."""
+
+    check_every = 256 * 2**20
+
+    def __init__(self, pin: bool, available: Callable[[], int] | None = None, reserve: int | None = None) -> None:
         self.pin = pin
+        self.available = available_host_bytes if available is None else available
+        self.reserve = default_reserve() if reserve is None else reserve
+        self._unchecked = 0
         self._free: dict[tuple[int, torch.dtype], list[tuple[Tensor, tuple[Any, ...]]]] = {}
         self._registered: list[Tensor] = []
         self._lock = threading.Lock()
         self.pinned_bytes = 0
+        """Bytes page-locked: tensors registered from outside plus the pool's own buffers."""
+        self.buffer_bytes = 0
+        """Bytes of the pool's own (pinned) buffers: the most that was in transit at once, or waiting."""
+
+    def _make_room(self, numel: int, dtype: torch.dtype) -> None:
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            self._unchecked += nbytes
+            if self._unchecked < self.check_every and nbytes < self.check_every:
+                return
+            self._unchecked = 0
+        left = self.available() - nbytes
+        if left < self.reserve:
+            raise HostMemoryError(
+                f"roundpipe: host memory: a {nbytes / GiB:.2f} GiB buffer for activations or gradients in"
+                f" transit would leave {left / GiB:.2f} GiB of the machine's memory free, under the"
+                f" {self.reserve / GiB:.2f} GiB kept for everything else ({self.pinned_bytes / GiB:.2f} GiB"
+                " page-locked by roundpipe so far). The stage boundaries of every micro-batch in a step wait"
+                " on the host for backward: train on shorter sequences or fewer tokens per batch (more"
+                " gradient accumulation keeps the tokens per optimizer step), or on a host with more memory."
+            )
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D buffer of exactly ``numel`` elements (contents undefined)."""
-        if not self.pin or numel == 0:
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        if not self.pin:
+            self._make_room(numel, dtype)
             return torch.empty(numel, dtype=dtype)
         key = (numel, dtype)
         with self._lock:
@@ -52,8 +107,11 @@ class HostPool:
                 if all(e.query() for e in events):
                     free.pop(i)
                     return buffer
+        self._make_room(numel, dtype)
         buffer = torch.empty(numel, dtype=dtype)
         self.register(buffer)
+        with self._lock:
+            self.buffer_bytes += buffer.numel() * buffer.element_size()
         return buffer
 
     def give(self, buffer: Tensor, events: Iterable[Any] = ()) -> None:
@@ -105,4 +163,4 @@ class HostPool:
                 torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
             self._registered.clear()
             self._free.clear()
-            self.pinned_bytes = 0
+            self.pinned_bytes = self.buffer_bytes = 0
