@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -111,9 +112,46 @@ def estimate_host_memory(
     return HostMemoryEstimate(trainable, frozen, masters, grads, compute, states, activation_bytes)
 
 
-def available_host_memory() -> int:
-    """Bytes the system can still give this process (``psutil``'s estimate of available memory)."""
-    return int(psutil.virtual_memory().available)
+def available_host_memory(cgroup_root: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self/cgroup") -> int:
+    """Bytes the system can still give this process: ``psutil``'s estimate of available memory, or less
+    where the process's cgroup (a container, a Slurm job) caps it lower."""
+    root = Path(cgroup_root)
+    rooms = [_cgroup_room(root)]
+    try:  # cgroup v2 without a namespace (e.g. a Slurm job step): the limit is on the process's own group
+        for line in Path(own_cgroup).read_text().splitlines():
+            if line.startswith("0::/") and len(line) > 4:
+                rooms.append(_cgroup_room(root / line[4:].strip()))
+    except OSError:
+        pass
+    available = int(psutil.virtual_memory().available)
+    return min([available, *(room for room in rooms if room is not None)])
+
+
+def _cgroup_room(root: Path) -> int | None:
+    """The cgroup's limit minus its working set (usage less the inactive file cache, which the kernel
+    reclaims before it kills anything: the figure its OOM killer and kubelet go by); ``None`` without a
+    limit. cgroup v2 at the root, then v1's memory controller."""
+    layouts = (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+               ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                "total_inactive_file"))  # fmt: skip
+    for limit, usage, stat, inactive in layouts:
+        try:
+            cap = (root / limit).read_text().strip()
+            used = int((root / usage).read_text())
+        except (OSError, ValueError):
+            continue
+        if cap == "max" or int(cap) >= 1 << 60:  # v2 and v1 spell "no limit" differently
+            return None
+        cache = 0
+        try:
+            for line in (root / stat).read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == inactive:
+                    cache = int(value)
+        except (OSError, ValueError):
+            pass
+        return int(cap) - max(0, used - cache)
+    return None
 
 
 def check_host_memory(estimate: HostMemoryEstimate, margin: float = 0.95) -> None:

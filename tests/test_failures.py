@@ -349,3 +349,71 @@ def test_host_pool_leaves_its_reserve_free_and_reads_the_memory_sparingly(monkey
     for _ in range(3):
         pool.take(2**20, torch.float32)  # 4 MiB each: the second one crosses 8 MiB since the last look
     assert len(reads) == 2
+
+
+class _FakeCudart:
+    """Page-locking that does nothing: lets a CPU test run the pool's pinned path (free lists, reuse)."""
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+
+@pytest.fixture
+def pinned_pool(monkeypatch):
+    """Engines built in the test stage their inputs through pinned-style pool buffers."""
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart())
+    monkeypatch.setattr(HostPool, "check_every", 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("thread", ["MainThread", "roundpipe-worker"])
+def test_host_memory_running_out_leaks_no_buffer_and_the_next_batch_runs(pinned_pool, thread):
+    """With page-locked buffers the main thread stages the inputs into the pool too. Running out there,
+    or on a worker, must neither leave the next batch waiting on a half-built batch nor keep buffers
+    out of the pool: after each failure every buffer the pool made is back in it."""
+    model, _ = build("forward")
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,1|2,2,2")
+    engine.pool.pin = True
+    out_of_memory = threading.Event()
+    engine.pool.reserve = 0
+    engine.pool.available = lambda: (
+        -1 if out_of_memory.is_set() and threading.current_thread().name.startswith(thread) else 1 << 40
+    )
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    try:
+        engine.train_batch(x, y, F.mse_loss)  # the pool now holds a batch's worth of buffers
+        engine.store.clear_grads()
+        out_of_memory.set()
+        for _ in range(3):  # a longer batch: buffers of new sizes, which the pool checks before it makes them
+            with pytest.raises(HostMemoryError):
+                engine.train_batch(torch.randn(12, 4), torch.randn(12, 2), F.mse_loss)
+            assert engine.pool.free_bytes() == engine.pool.buffer_bytes > 0
+        out_of_memory.clear()
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        for got, want in zip(engine.store.parameters, reference.parameters()):
+            assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7)
+        assert engine.pool.free_bytes() == engine.pool.buffer_bytes
+    finally:
+        engine.close()
+
+
+def test_a_buffer_that_does_not_fit_first_gives_back_idle_buffers_of_other_sizes(pinned_pool):
+    """Batches of changing shapes leave free buffers of sizes nobody asks for again; they are unpinned
+    and dropped before the pool declares the host full."""
+    pool = HostPool(pin=True, reserve=0)
+    pool.available = lambda: (40 << 20) - pool.buffer_bytes  # the pinned buffers take the machine's memory
+    old = pool.take(6 << 20, torch.uint8)
+    pool.give(old)
+    del old
+    new = pool.take(36 << 20, torch.uint8)  # 6 + 36 MiB would not fit in 40: the idle 6 MiB go first
+    assert new.numel() == 36 << 20 and pool.buffer_bytes == pool.pinned_bytes == 36 << 20
+    with pytest.raises(HostMemoryError, match="host memory"):
+        pool.take(6 << 20, torch.uint8)  # nothing idle is left to give back
+    pool.close()

@@ -56,3 +56,41 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate(monkeypatch):
     with pytest.raises(MemoryError, match=r"(?s)more host memory than is available.*gradients.*optimizer states"):
         trainer.fit(BoringPipeline(), boring_data())
     assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+def test_available_memory_follows_a_cgroup_limit(tmp_path, monkeypatch):
+    """Under a container's or a Slurm job's limit, the room left is the limit minus the working set
+    (usage less the inactive file cache the kernel reclaims first), when that is below the machine's."""
+    import psutil
+
+    from lightning_roundpipe.memory import available_host_memory
+
+    class Machine:
+        available = 64 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Machine())
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{16 << 30}\n")
+    (v2 / "memory.current").write_text(f"{12 << 30}\n")
+    (v2 / "memory.stat").write_text(f"anon {9 << 30}\ninactive_file {3 << 30}\nactive_file {1 << 30}\n")
+    assert available_host_memory(str(v2)) == 7 << 30  # 16 - (12 - 3)
+    (v2 / "memory.max").write_text("max\n")
+    assert available_host_memory(str(v2)) == 64 << 30  # no limit: the machine's figure
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
+    (v1 / "memory.stat").write_text(f"inactive_file 1\ntotal_inactive_file {1 << 30}\n")
+    assert available_host_memory(str(tmp_path / "v1")) == 4 << 30  # 8 - (5 - 1)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert available_host_memory(str(tmp_path / "v1")) == 64 << 30
+    assert available_host_memory(str(tmp_path / "none")) == 64 << 30
+    (v2 / "memory.max").write_text(f"{100 << 30}\n")
+    assert available_host_memory(str(v2)) == 64 << 30  # a limit above the machine's memory changes nothing
+    job = v2 / "system.slice" / "job_7"  # a v2 group of its own, named in /proc/self/cgroup
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text(f"{6 << 30}\n")
+    (job / "memory.current").write_text(f"{2 << 30}\n")
+    (tmp_path / "cgroup").write_text("0::/system.slice/job_7\n")
+    assert available_host_memory(str(v2), str(tmp_path / "cgroup")) == 4 << 30

@@ -78,19 +78,26 @@ class GradCollector:
                     grad = self.store.groups[g].grad
                     assert grad is not None
                     grad.zero_()
-                for g, staged in job.staging.items():
+                added = 0
+                for g in list(job.staging):
                     grad = self.store.groups[g].grad
                     assert grad is not None
+                    staged = job.staging[g]
                     grad.add_(staged)
+                    del job.staging[g]
+                    added += staged.nbytes
                     self.device.pool.give(staged)
                 if self.log is not None:
-                    added = sum(t.nbytes for t in job.staging.values())
                     self.log.append((waited, started, time.perf_counter(), added))
                 job.done.set()
             except PipelineAborted:
                 pass
             except BaseException as e:
                 self._on_error(e)
+            finally:
+                for staged in job.staging.values():  # an aborted job: its buffers go back, after their copy
+                    self.device.pool.give(staged, [job.ready])
+                job.staging.clear()
 
     def close(self, timeout: float = 30.0) -> bool:
         """Stop the thread after its queued jobs; ``False`` if it is still running after ``timeout``."""

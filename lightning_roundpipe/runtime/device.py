@@ -146,16 +146,22 @@ class WorkerDevice:
         with self.on(self.act_down):
             self.wait(self.act_down, after)
             out, buffers = [], []
-            for leaf in leaves:
-                if isinstance(leaf, Tensor):
-                    leaf = leaf.detach()
-                    buffer = self.pool.take(leaf.numel(), leaf.dtype)
-                    self.copy_down(buffer.view(leaf.shape), leaf, self.act_down)
-                    self.keep_alive(leaf, self.act_down)
-                    buffers.append(buffer)
-                    out.append(buffer.view(leaf.shape))
-                else:
-                    out.append(leaf)
+            try:
+                for leaf in leaves:
+                    if isinstance(leaf, Tensor):
+                        leaf = leaf.detach()
+                        buffer = self.pool.take(leaf.numel(), leaf.dtype)
+                        buffers.append(buffer)
+                        self.copy_down(buffer.view(leaf.shape), leaf, self.act_down)
+                        self.keep_alive(leaf, self.act_down)
+                        out.append(buffer.view(leaf.shape))
+                    else:
+                        out.append(leaf)
+            except BaseException:
+                issued = self.record(self.act_down)  # after the copies already queued into them
+                for buffer in buffers:
+                    self.pool.give(buffer, [issued])
+                raise
             return Parcel(tree_unflatten(out, spec), self.record(self.act_down), buffers)
 
     # ------------------------------------------------------------------ compute context

@@ -478,6 +478,14 @@ class PipelineEngine:
                 " and it adds no gradient. Plain PyTorch would give NaN here.",
                 stacklevel=2,
             )
+        # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
+        staged_targets, staged_inputs = self._stage_all(mb_targets), None
+        try:
+            staged_inputs = self._stage_all(mb_inputs)
+        finally:
+            if staged_inputs is None:
+                for parcel in staged_targets:
+                    self.pool.release(parcel)
         if not self.asynchronous:
             self.store.sync_compute()
         self._submitted = {c: t for c, t in self._submitted.items() if c >= self.calls - 8}
@@ -492,15 +500,15 @@ class PipelineEngine:
         record = self._wants_record()
         self._record_next = False
         flight = Flight(
-            self.calls, schedule, [self.pool.stage(t) for t in mb_targets], weights, grad_scale, loss_fn,
+            self.calls, schedule, staged_targets, weights, grad_scale, loss_fn,
             self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
             self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record, step=self.step,
             measure_memory=record and self._profile is not None,
         )  # fmt: skip
         if record:
             self._recording.append(flight)
-        for m, x in enumerate(mb_inputs):
-            flight.put(("act", 0, m), self.pool.stage(x))
+        for m, parcel in enumerate(staged_inputs):
+            flight.put(("act", 0, m), parcel)
         tasks = self._dispatch(flight, settle=not self.asynchronous)
         self.dispatch_position = schedule.next_first_worker
         self.calls += 1
@@ -523,13 +531,13 @@ class PipelineEngine:
             self._on_worker_error(interrupt)
             for task in tasks:
                 task.done.wait(timeout=30.0)
-            self._recover()
+            self._recover(flight)
             raise
         finally:
             self._prune()
         if self._error is not None:
             error = self._error
-            self._recover()
+            self._recover(flight)
             raise error
         self._harvest(wait=True)
         loss = flight.batch_loss()
@@ -627,10 +635,14 @@ class PipelineEngine:
         # staged buffers go back to a pool the workers reuse: never let them be inference tensors
         # (trainer.validate/test/predict run under torch.inference_mode)
         with torch.inference_mode(False):
-            targets = (
-                [self.pool.stage(t) for t in mb_targets] if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
-            )
-            staged = [self.pool.stage(x) for x in mb_inputs]
+            targets = self._stage_all(mb_targets) if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
+            staged = None
+            try:
+                staged = self._stage_all(mb_inputs)
+            finally:
+                if staged is None:
+                    for parcel in targets:
+                        self.pool.release(parcel)
         self._eval_calls += 1
         flight = Flight(
             -self._eval_calls, schedule, targets, weights, 1.0, loss_fn, self._abort, self.pool, {},
@@ -652,12 +664,25 @@ class PipelineEngine:
         if self._error is not None:
             if self.asynchronous:
                 self._fail()
+            flight.release_all()
             error, self._error = self._error, None
             self._abort.clear()
             raise error
         if loss_fn is not None:
             return flight.batch_loss()
         return _concatenate([self._take_output(p) for p in flight.losses])
+
+    def _stage_all(self, trees: list[Any]) -> list[Parcel]:
+        """Host copies of each tree for the workers; all or none (a failure gives back what it took)."""
+        parcels: list[Parcel] = []
+        try:
+            for tree in trees:
+                parcels.append(self.pool.stage(tree))
+        except BaseException:
+            for parcel in parcels:
+                self.pool.release(parcel)
+            raise
+        return parcels
 
     def _dispatch(self, flight: Flight, settle: bool) -> list[Task]:
         """Hand each worker its actions of ``flight``'s schedule; the flight is live until they finish."""
@@ -867,9 +892,11 @@ class PipelineEngine:
         assert error is not None
         raise error
 
-    def _recover(self) -> None:
+    def _recover(self, flight: Flight) -> None:
         """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
-        and be ready again. Host weights are never written by workers, so they are intact."""
+        and the host buffers it still holds, and be ready again. Host weights are never written by
+        workers, so they are intact."""
+        flight.release_all()
         self._error = None
         self._grad_chain.clear()
         self.store.clear_grads()

@@ -188,6 +188,9 @@ class StageExecutor:
                 self.collector.drain()
                 self.device.synchronize()
                 self._inflight.clear()
+                for loaded in self._loaded.values():  # an aborted slot's gradients never reached the collector
+                    for buffer in loaded.staging.values():
+                        self.device.pool.give(buffer)
             self._loaded.clear()
             self._collecting.clear()
 

@@ -190,6 +190,20 @@ class Flight:
                 parcel.ready.synchronize()
         return self.batch_loss()
 
+    def release_all(self) -> None:
+        """After an aborted batch, once no worker runs it: give back every host buffer it still holds
+        (values nobody finished reading, targets, losses), each after the copies known to touch it. A
+        buffer released twice is given back once: a parcel drops its buffers as it is released."""
+        for box in self._boxes.values():
+            with self._lock:
+                parcel, events = box.value, box.events
+                box.value, box.events = None, []
+            if parcel is not None:
+                self.pool.release(parcel, [*events, parcel.ready])
+        for parcel in (*self.targets, *self.losses):
+            if parcel is not None:
+                self.pool.release(parcel, [parcel.ready])
+
     def open_all_gates(self) -> None:
         """After an abort: wake every thread waiting on this flight."""
         for gate in self._gates:

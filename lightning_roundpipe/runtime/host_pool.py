@@ -32,7 +32,9 @@ class HostMemoryError(MemoryError):
 
 
 def available_host_bytes() -> int:
-    return psutil.virtual_memory().available
+    from lightning_roundpipe.memory import available_host_memory  # cgroup limits included
+
+    return available_host_memory()
 
 
 def default_reserve() -> int:
@@ -83,6 +85,8 @@ class HostPool:
                 return
             self._unchecked = 0
         left = self.available() - nbytes
+        if left < self.reserve and self._trim():  # buffers of sizes no longer asked for: give them back first
+            left = self.available() - nbytes
         if left < self.reserve:
             raise HostMemoryError(
                 f"roundpipe: host memory: a {nbytes / GiB:.2f} GiB buffer for activations or gradients in"
@@ -92,6 +96,25 @@ class HostPool:
                 " on the host for backward: train on shorter sequences or fewer tokens per batch (more"
                 " gradient accumulation keeps the tokens per optimizer step), or on a host with more memory."
             )
+
+    def _trim(self) -> int:
+        """Unpin and drop every free buffer whose copies have finished (batches of changing shapes leave
+        buffers of sizes nobody asks for again); returns the bytes given back."""
+        with self._lock:
+            idle = [b for free in self._free.values() for b, events in free if all(e.query() for e in events)]
+            if not idle:
+                return 0
+            ids = {id(b) for b in idle}
+            for key in list(self._free):
+                self._free[key] = [(b, e) for b, e in self._free[key] if id(b) not in ids]
+            self._registered = [t for t in self._registered if id(t) not in ids]
+            freed = sum(b.numel() * b.element_size() for b in idle)
+            for buffer in idle:
+                torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            self.pinned_bytes -= freed
+            self.buffer_bytes -= freed
+        del idle
+        return freed
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D buffer of exactly ``numel`` elements (contents undefined)."""
@@ -113,6 +136,11 @@ class HostPool:
         with self._lock:
             self.buffer_bytes += buffer.numel() * buffer.element_size()
         return buffer
+
+    def free_bytes(self) -> int:
+        """Bytes of the pool's own buffers that are back in it (waiting for reuse)."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
 
     def give(self, buffer: Tensor, events: Iterable[Any] = ()) -> None:
         """Return a buffer; it is reused once all ``events`` (device events, ``None`` ignored) completed."""
@@ -140,14 +168,19 @@ class HostPool:
             return Parcel(tree)
         leaves, spec = tree_flatten(tree)
         out, buffers = [], []
-        for leaf in leaves:
-            if isinstance(leaf, Tensor):
-                buffer = self.take(leaf.numel(), leaf.dtype)
-                buffer.view(leaf.shape).copy_(leaf)
-                buffers.append(buffer)
-                out.append(buffer.view(leaf.shape))
-            else:
-                out.append(leaf)
+        try:
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    buffer = self.take(leaf.numel(), leaf.dtype)
+                    buffers.append(buffer)
+                    buffer.view(leaf.shape).copy_(leaf)
+                    out.append(buffer.view(leaf.shape))
+                else:
+                    out.append(leaf)
+        except BaseException:
+            for buffer in buffers:  # host copies only: nothing on a device reads them yet
+                self.give(buffer)
+            raise
         return Parcel(tree_unflatten(out, spec), None, buffers)
 
     def release(self, parcel: Parcel, events: Iterable[Any] = ()) -> None:
