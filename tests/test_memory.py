@@ -74,23 +74,42 @@ def test_available_memory_follows_a_cgroup_limit(tmp_path, monkeypatch):
     (v2 / "memory.max").write_text(f"{16 << 30}\n")
     (v2 / "memory.current").write_text(f"{12 << 30}\n")
     (v2 / "memory.stat").write_text(f"anon {9 << 30}\ninactive_file {3 << 30}\nactive_file {1 << 30}\n")
-    assert available_host_memory(str(v2)) == 7 << 30  # 16 - (12 - 3)
+    none = str(tmp_path / "no-cgroup-file")
+    assert available_host_memory(str(v2), none) == 7 << 30  # 16 - (12 - 3)
     (v2 / "memory.max").write_text("max\n")
-    assert available_host_memory(str(v2)) == 64 << 30  # no limit: the machine's figure
+    assert available_host_memory(str(v2), none) == 64 << 30  # no limit: the machine's figure
     v1 = tmp_path / "v1" / "memory"
     v1.mkdir(parents=True)
     (v1 / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
     (v1 / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
     (v1 / "memory.stat").write_text(f"inactive_file 1\ntotal_inactive_file {1 << 30}\n")
-    assert available_host_memory(str(tmp_path / "v1")) == 4 << 30  # 8 - (5 - 1)
+    none = str(tmp_path / "no-cgroup-file")
+    assert available_host_memory(str(tmp_path / "v1"), none) == 4 << 30  # 8 - (5 - 1)
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
-    assert available_host_memory(str(tmp_path / "v1")) == 64 << 30
-    assert available_host_memory(str(tmp_path / "none")) == 64 << 30
+    assert available_host_memory(str(tmp_path / "v1"), none) == 64 << 30
+    assert available_host_memory(str(tmp_path / "none"), none) == 64 << 30
     (v2 / "memory.max").write_text(f"{100 << 30}\n")
-    assert available_host_memory(str(v2)) == 64 << 30  # a limit above the machine's memory changes nothing
-    job = v2 / "system.slice" / "job_7"  # a v2 group of its own, named in /proc/self/cgroup
-    job.mkdir(parents=True)
+    assert available_host_memory(str(v2), none) == 64 << 30  # a limit above the machine's memory changes nothing
+    # without a namespace the limit sits on a group of the process's path: Slurm puts it on the job,
+    # above the step's and task's groups (v2), or on the memory controller's path (v1)
+    job = v2 / "system.slice" / "job_7"
+    (job / "step_0" / "task_0").mkdir(parents=True)
     (job / "memory.max").write_text(f"{6 << 30}\n")
     (job / "memory.current").write_text(f"{2 << 30}\n")
-    (tmp_path / "cgroup").write_text("0::/system.slice/job_7\n")
-    assert available_host_memory(str(v2), str(tmp_path / "cgroup")) == 4 << 30
+    (job / "step_0" / "memory.max").write_text("max\n")
+    (job / "step_0" / "memory.current").write_text(f"{2 << 30}\n")
+    (tmp_path / "cgroup-v2").write_text("0::/system.slice/job_7/step_0/task_0\n")
+    assert available_host_memory(str(v2), str(tmp_path / "cgroup-v2")) == 4 << 30
+    slurm = tmp_path / "v1" / "memory" / "slurm" / "uid_0" / "job_9"
+    slurm.mkdir(parents=True)
+    (slurm / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
+    (slurm / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    (tmp_path / "cgroup-v1").write_text("12:pids:/slurm\n9:memory:/slurm/uid_0/job_9\n1:name=systemd:/\n")
+    assert available_host_memory(str(tmp_path / "v1"), str(tmp_path / "cgroup-v1")) == 2 << 30
+    from lightning_roundpipe.memory import host_memory_limit
+
+    class Big:
+        total = 2048 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Big())
+    assert host_memory_limit(str(tmp_path / "v1"), str(tmp_path / "cgroup-v1")) == 3 << 30  # the job's cap

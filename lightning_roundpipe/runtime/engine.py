@@ -486,29 +486,42 @@ class PipelineEngine:
             if staged_inputs is None:
                 for parcel in staged_targets:
                     self.pool.release(parcel)
-        if not self.asynchronous:
-            self.store.sync_compute()
-        self._submitted = {c: t for c, t in self._submitted.items() if c >= self.calls - 8}
-        self._submitted[self.calls] = now = time.perf_counter()
-        if self._returned is not None:
-            self._turns.append(now - self._returned)
-            self._returned = None
-        self._harvest()
-        schedule = self.schedule(self.dispatch_position)
-        if self.double_buffer == "first":
-            self._spare_first_slot(schedule.plan)
-        record = self._wants_record()
-        self._record_next = False
-        flight = Flight(
-            self.calls, schedule, staged_targets, weights, grad_scale, loss_fn,
-            self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
-            self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record, step=self.step,
-            measure_memory=record and self._profile is not None,
-        )  # fmt: skip
-        if record:
-            self._recording.append(flight)
-        for m, parcel in enumerate(staged_inputs):
-            flight.put(("act", 0, m), parcel)
+        flight = None
+        try:  # until the flight owns the staged parcels, a failure (or Ctrl-C) gives them back here
+            if not self.asynchronous:
+                self.store.sync_compute()
+            self._submitted = {c: t for c, t in self._submitted.items() if c >= self.calls - 8}
+            self._submitted[self.calls] = now = time.perf_counter()
+            if self._returned is not None:
+                self._turns.append(now - self._returned)
+                self._returned = None
+            self._harvest()
+            schedule = self.schedule(self.dispatch_position)
+            if self.double_buffer == "first":
+                self._spare_first_slot(schedule.plan)
+            record = self._wants_record()
+            self._record_next = False
+            flight = Flight(
+                self.calls, schedule, staged_targets, weights, grad_scale, loss_fn,
+                self._abort, self.pool, self._grad_chain, self._slot_grad_groups(schedule.plan).__getitem__,
+                self.store.fresh_grads, upload_waits=self._cast_done.get(self.step - 2), record=record,
+                step=self.step, measure_memory=record and self._profile is not None,
+            )  # fmt: skip
+            if record:
+                self._recording.append(flight)
+            for m, parcel in enumerate(staged_inputs):
+                flight.put(("act", 0, m), parcel)
+        except BaseException:
+            for parcel in (*staged_targets, *staged_inputs):
+                self.pool.release(parcel)  # a parcel the flight already gave back holds no buffers
+            if flight is not None:  # built, never dispatched: its gates in the gradient chain would never open
+                if flight in self._recording:
+                    self._recording.remove(flight)
+                if not self.asynchronous:
+                    self._recover(flight)
+                else:
+                    self._failed = True
+            raise
         tasks = self._dispatch(flight, settle=not self.asynchronous)
         self.dispatch_position = schedule.next_first_worker
         self.calls += 1
@@ -529,9 +542,10 @@ class PipelineEngine:
                 task.done.wait()
         except BaseException as interrupt:  # e.g. KeyboardInterrupt in the main thread: stop the workers
             self._on_worker_error(interrupt)
-            for task in tasks:
-                task.done.wait(timeout=30.0)
-            self._recover(flight)
+            if all([task.done.wait(timeout=30.0) for task in tasks]):
+                self._recover(flight)
+            else:  # a worker still runs this batch: leave its buffers alone, and the engine unusable
+                self._failed = True
             raise
         finally:
             self._prune()
@@ -656,8 +670,12 @@ class PipelineEngine:
                 task.done.wait()
         except BaseException as interrupt:
             self._on_worker_error(interrupt)
-            for task in tasks:
-                task.done.wait(timeout=30.0)
+            if all([task.done.wait(timeout=30.0) for task in tasks]) and not self.asynchronous:
+                flight.release_all()
+                self._error = None  # ready again, as after a failed training batch
+                self._abort.clear()
+            else:
+                self._failed = True
             raise
         finally:
             self._prune()

@@ -332,11 +332,11 @@ class StageExecutor:
             for source, _ in loaded.downloads.values():
                 dev.keep_alive(source, dev.grad_down)
             unwritten = [] if loaded.backward_ran else sorted(overwrite)  # no gradient reached them
+            del self._loaded[key]  # from here the collector owns its staging buffers
             self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten))
             self._collecting.append(done)
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)
-            del self._loaded[key]
 
     _CONVERT_CHUNK = 1 << 24  # elements converted at a time before a download (64 MiB in fp32)
     add_tail_on_device = True

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -39,8 +38,10 @@ def available_host_bytes() -> int:
 
 def default_reserve() -> int:
     """Memory left to everything else (the OS, Python objects, the optimizer's temporaries): 2 GiB or
-    1/32 of the machine, whichever is more."""
-    return max(2 * GiB, psutil.virtual_memory().total // 32)
+    1/32 of the memory this process may use (the machine's, or its cgroup's limit), whichever is more."""
+    from lightning_roundpipe.memory import host_memory_limit
+
+    return max(2 * GiB, host_memory_limit() // 32)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class HostPool:
                 return
             self._unchecked = 0
         left = self.available() - nbytes
-        if left < self.reserve and self._trim():  # buffers of sizes no longer asked for: give them back first
+        if left < self.reserve and self._trim(self.reserve - left):  # idle buffers of other sizes go first
             left = self.available() - nbytes
         if left < self.reserve:
             raise HostMemoryError(
@@ -97,11 +98,20 @@ class HostPool:
                 " gradient accumulation keeps the tokens per optimizer step), or on a host with more memory."
             )
 
-    def _trim(self) -> int:
-        """Unpin and drop every free buffer whose copies have finished (batches of changing shapes leave
-        buffers of sizes nobody asks for again); returns the bytes given back."""
+    def _trim(self, need: int) -> int:
+        """Unpin and drop free buffers whose copies have finished, largest first, until ``need`` bytes
+        are given back (batches of changing shapes leave buffers of sizes nobody asks for again);
+        returns the bytes given back."""
         with self._lock:
             idle = [b for free in self._free.values() for b, events in free if all(e.query() for e in events)]
+            idle.sort(key=lambda b: b.numel() * b.element_size(), reverse=True)
+            chosen, total = [], 0
+            for buffer in idle:
+                if total >= need:
+                    break
+                chosen.append(buffer)
+                total += buffer.numel() * buffer.element_size()
+            idle = chosen
             if not idle:
                 return 0
             ids = {id(b) for b in idle}
@@ -184,10 +194,12 @@ class HostPool:
         return Parcel(tree_unflatten(out, spec), None, buffers)
 
     def release(self, parcel: Parcel, events: Iterable[Any] = ()) -> None:
+        """Give back a parcel's buffers; a parcel released twice gives them back once."""
         events = tuple(events)
-        for buffer in parcel.buffers:
+        with self._lock:
+            buffers, parcel.buffers = parcel.buffers, []
+        for buffer in buffers:
             self.give(buffer, events)
-        parcel.buffers = []
 
     def close(self) -> None:
         """Unregister every buffer; call only when no device copy can still touch them."""
