@@ -8,7 +8,7 @@
 #        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 #        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
-#        baselines-4b-24gib baselines-4b-24gib-zero (after ds-setup)
+#        baselines-4b-24gib baselines-4b-24gib-zero (after ds-setup) ds-wait (ds-setup's build finished)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
@@ -80,6 +80,9 @@ for step in "${steps[@]}"; do
         "from deepspeed.ops.op_builder import CPUAdamBuilder as B; B().load(); print('cpu_adam built')" \
         >> "$OUT/ds-setup.log" 2>&1 &
       DS_BUILD=$! ;;
+    ds-wait)  # after ds-setup: wait for its CPU Adam build, so that a later call on the warm machine finds it
+      # built (a build running beside a benchmark would take the host cores its optimizer step needs)
+      [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"; tail -n 3 "$OUT/ds-setup.log" ;;
     baselines-1.7b)  # the 1.7B matrix in one call (about 8 minutes); the 4B one needs two calls
       run baselines-1.7b-a 260 python benchmarks/baselines.py --configs plain,roundpipe,fsdp-offload \
         --config-timeout 120 --out "$OUT/baselines-1.7b-a.json"
