@@ -449,3 +449,46 @@ def test_peak_memory_survives_the_profilings_reset_of_the_counter():
     assert dev.memory_peak_since(mark) == 0
     reset_peak_memory_stats(0)
     assert max_memory_allocated(0) - base < 1 << 28
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("thread", ["MainThread", "roundpipe-worker"])
+def test_host_memory_running_out_on_a_gpu_gives_every_pinned_buffer_back(monkeypatch, thread):
+    """The CPU test of this runs the pool's pinned path with page-locking faked; here the buffers are
+    really page-locked and the copies really queued: a failed batch must give every buffer back after its
+    copies, and the next batch must equal plain PyTorch."""
+    from lightning_roundpipe.runtime.host_pool import HostMemoryError, HostPool
+
+    monkeypatch.setattr(HostPool, "check_every", 0)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    devices = [CudaWorkerDevice("cuda:0", 0)]
+    engine = PipelineEngine(
+        list(model.children()), devices, plan=StagePlan.parse("3,3|2,2,2,2"), microbatches_per_round=3
+    )
+    out_of_memory = threading.Event()
+    engine.pool.reserve = 0
+    engine.pool.available = lambda: (
+        -1 if out_of_memory.is_set() and threading.current_thread().name.startswith(thread) else 1 << 40
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
+    try:
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.clear_grads()
+        out_of_memory.set()
+        for _ in range(2):  # longer batches: buffers of new sizes, checked before they are made
+            with pytest.raises(HostMemoryError):
+                engine.train_batch(torch.randn(48, 32), torch.randn(48, 8), F.mse_loss)
+            torch.cuda.synchronize()
+            assert engine.pool.free_bytes() == engine.pool.buffer_bytes > 0
+        out_of_memory.clear()
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        got = torch.cat([p.grad.flatten() for p in engine.store.parameters])
+        want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        assert relative_error(got, want) <= 1e-5
+    finally:
+        engine.close()
