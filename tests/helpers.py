@@ -76,3 +76,17 @@ def fit(module_factory: Any, trainer_kwargs: dict[str, Any], data: Any = None, s
 
 def flat_weights(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def next_batch_and_plain_gradients(engine: Any, reference: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """Flat gradients of one more MSE batch through ``engine`` and, in plain PyTorch, through
+    ``reference``: after a failed batch the next one must be exact."""
+    import torch.nn.functional as F
+
+    engine.train_batch(x, y, F.mse_loss)
+    engine.store.install_grads()
+    reference.zero_grad()
+    F.mse_loss(reference(x), y).backward()
+    got = torch.cat([p.grad.flatten() for p in engine.store.parameters])
+    want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    return got, want

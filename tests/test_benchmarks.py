@@ -35,6 +35,16 @@ SMOKE = {
 }  # fmt: skip
 
 
+def search_args(split_blocks: bool):
+    """What ``baselines.max_seq`` reads of the command line, for a search from 16 tokens in steps of 8."""
+    import argparse
+
+    return argparse.Namespace(
+        seq_len=16, seq_step=8, seq_cap=1 << 20, workers=1, gpu_gib=24.0, split_blocks=split_blocks, tile_tokens=0,
+        model="debug",
+    )  # fmt: skip
+
+
 def failed_configurations(results: object) -> list[object]:
     items = results if isinstance(results, list) else [results]
     return [r for r in items if isinstance(r, dict) and "error" in r]
@@ -95,8 +105,6 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
     """roundpipe's partitioner refusing a plan is the card's memory running out, so the search bisects on;
     each probe's answer is reported at once, so a command stopped from outside keeps it."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import argparse
-
     import baselines
 
     def probe(args, config, seq):  # the partitioner refuses first, while the search is still doubling
@@ -105,16 +113,7 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
         return False, "GPU memory (no plan fits)", "Infeasible: layer 1 needs ..."
 
     monkeypatch.setattr(baselines, "probe", probe)
-    args = argparse.Namespace(
-        seq_len=16,
-        seq_step=8,
-        seq_cap=1 << 20,
-        workers=1,
-        gpu_gib=24.0,
-        split_blocks=True,
-        tile_tokens=0,
-        model="debug",
-    )
+    args = search_args(split_blocks=True)
     reports = []
     found = baselines.max_seq(args, "roundpipe", reports.append)
     assert found["max_seq_len"] == 80 and found["first_failure"] == 88
@@ -127,22 +126,11 @@ def test_longest_sequence_search_bisects_past_an_infeasible_plan_and_reports_eve
 
 def test_a_time_limit_while_bisecting_leaves_the_search_inconclusive(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import argparse
-
     import baselines
 
     answers = {16: (True, "", ""), 32: (True, "", ""), 64: (False, "GPU memory", "oom"), 48: (False, "time limit", "")}
     monkeypatch.setattr(baselines, "probe", lambda args, config, seq: answers[seq])
-    args = argparse.Namespace(
-        seq_len=16,
-        seq_step=8,
-        seq_cap=1 << 20,
-        workers=1,
-        gpu_gib=24.0,
-        split_blocks=False,
-        tile_tokens=0,
-        model="debug",
-    )
+    args = search_args(split_blocks=False)
     found = baselines.max_seq(args, "fsdp-offload")
     assert found["inconclusive"] and found["max_seq_len"] == 32 and found["first_failure"] == 64
 

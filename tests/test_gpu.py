@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BoringPipeline, fit, flat_weights, relative_error
+from helpers import BoringPipeline, fit, flat_weights, next_batch_and_plain_gradients, relative_error
 from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
@@ -483,12 +483,7 @@ def test_host_memory_running_out_on_a_gpu_gives_every_pinned_buffer_back(monkeyp
             torch.cuda.synchronize()
             assert engine.pool.free_bytes() == engine.pool.buffer_bytes > 0
         out_of_memory.clear()
-        engine.train_batch(x, y, F.mse_loss)
-        engine.store.install_grads()
-        reference.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        got = torch.cat([p.grad.flatten() for p in engine.store.parameters])
-        want = torch.cat([p.grad.flatten() for p in reference.parameters()])
+        got, want = next_batch_and_plain_gradients(engine, reference, x, y)
         assert relative_error(got, want) <= 1e-5
     finally:
         engine.close()

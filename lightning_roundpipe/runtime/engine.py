@@ -479,13 +479,8 @@ class PipelineEngine:
                 stacklevel=2,
             )
         # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
-        staged_targets, staged_inputs = self._stage_all(mb_targets), None
-        try:
-            staged_inputs = self._stage_all(mb_inputs)
-        finally:
-            if staged_inputs is None:
-                for parcel in staged_targets:
-                    self.pool.release(parcel)
+        staged = self._stage_all([*mb_targets, *mb_inputs])
+        staged_targets, staged_inputs = staged[: len(mb_targets)], staged[len(mb_targets) :]
         flight = None
         try:  # until the flight owns the staged parcels, a failure (or Ctrl-C) gives them back here
             if not self.asynchronous:
@@ -649,14 +644,10 @@ class PipelineEngine:
         # staged buffers go back to a pool the workers reuse: never let them be inference tensors
         # (trainer.validate/test/predict run under torch.inference_mode)
         with torch.inference_mode(False):
-            targets = self._stage_all(mb_targets) if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
-            staged = None
-            try:
-                staged = self._stage_all(mb_inputs)
-            finally:
-                if staged is None:
-                    for parcel in targets:
-                        self.pool.release(parcel)
+            n = len(mb_targets) if loss_fn is not None else 0
+            parcels = self._stage_all([*mb_targets[:n], *mb_inputs])
+            targets = parcels[:n] if loss_fn is not None else [Parcel(None)] * len(mb_inputs)
+            staged = parcels[n:]
         self._eval_calls += 1
         flight = Flight(
             -self._eval_calls, schedule, targets, weights, 1.0, loss_fn, self._abort, self.pool, {},
