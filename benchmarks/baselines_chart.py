@@ -62,18 +62,19 @@ def draw(speed: dict[str, dict[str, float]], longest: dict[str, tuple[int, int |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    cards = sorted(speed)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6))
+    cards = sorted(speed, key=lambda name: (name.split(", ")[0], "full card" not in name, name))  # full card first
     width = 0.8 / max(1, len(cards))
     timed = [s for s in ORDER if any(s in speed[name] for name in cards)]
     for i, name in enumerate(cards):
         xs = [k + i * width for k, system in enumerate(timed) if system in speed[name]]
         ys = [speed[name][system] for system in timed if system in speed[name]]
         bars = left.bar(xs, ys, width, label=name)
-        left.bar_label(bars, labels=[f"{y / 1000:.1f}k" for y in ys], fontsize=7)
+        left.bar_label(bars, labels=[f"{y / 1000:.1f}k" for y in ys], fontsize=7, rotation=90, padding=2)
     left.set_xticks([k + width * (len(cards) - 1) / 2 for k in range(len(timed))], timed, fontsize=8)
     left.set_ylabel("tokens/s (32 x 2048 per step)")
     left.set_title("Throughput")
+    left.set_ylim(top=1.15 * max([y for systems in speed.values() for y in systems.values()], default=1))
     left.legend(fontsize=8)
     systems = [s for s in ORDER if s in longest]
     bars = right.bar(range(len(systems)), [longest[s][0] for s in systems], color="tab:green")
@@ -81,7 +82,7 @@ def draw(speed: dict[str, dict[str, float]], longest: dict[str, tuple[int, int |
     def note(failed: int | None, done: bool) -> str:
         if done:
             return ""
-        return "\n(longer not tried)" if failed is None else f"\n(fails at {failed:,}; between not searched)"
+        return "\n(longer not tried)" if failed is None else f"\n(fails at {failed:,};\nbetween not searched)"
 
     labels = [f"{fit:,}" + note(failed, done) for fit, failed, done, _ in (longest[s] for s in systems)]
     right.bar_label(bars, labels=labels, fontsize=7)

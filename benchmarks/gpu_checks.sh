@@ -9,6 +9,7 @@
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 #        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
 #        baselines-4b-24gib baselines-4b-24gib-zero (after ds-setup) ds-wait (ds-setup's build finished)
+#        maxseq24-zero2-probes (after ds-setup: ZeRO-2 at 81,920 and 65,536)
 #        maxseq24-CONFIG (CONFIG: roundpipe fsdp-offload zero2-offload zero3-offload; 1.7B, 24 GiB card)
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
@@ -119,6 +120,11 @@ for step in "${steps[@]}"; do
       seq=$([ "$step" = maxseq24-tiled-4x ] && echo 262144 || echo 327680)
       run "$step" 580 python benchmarks/baselines.py --run roundpipe --split-blocks --tile-tokens 16384 --gpu-gib 24 \
         --seqs 1 --micro-batch 1 --seq-len "$seq" --warmup 2 --steps 1 ;;
+    maxseq24-zero2-probes) [ -n "${DS_BUILD:-}" ] && wait "$DS_BUILD"  # after ds-setup; measured 2026-12-01: 56 and 68 s
+      for seq in 81920 65536; do  # the two lengths around the other baselines' longest, as --max-seq probes them
+        run "maxseq24-zero2-$seq" 200 python benchmarks/baselines.py --run zero2-offload --gpu-gib 24 --seqs 1 \
+          --micro-batch 1 --seq-len "$seq" --warmup 1 --steps 1
+      done ;;
     maxseq24-*) config=${step#maxseq24-}  # measured 2026-11-29: roundpipe and fsdp-offload fit 65,536, fail 131,072
       start=$([ "$config" = roundpipe ] || [ "$config" = fsdp-offload ] && echo 65536 || echo 32768)
       run "$step" 560 python benchmarks/baselines.py --max-seq "$config" --gpu-gib 24 --seq-len "$start" \
