@@ -70,15 +70,25 @@ def start_nodes(
     return procs
 
 
+def kill_all(procs: list) -> None:
+    """No node outlives its test, whatever the test asserted."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def launch_nodes(
     tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int, clip: float = 0.0, **env: str
 ) -> list:
     procs = start_nodes(tmp_path, num_nodes, mode, batch_size, epochs, clip=clip, env_extra=env)
     results = []
-    for proc, out in procs:
-        log, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, log[-3000:]
-        results.append(torch.load(out))
+    try:
+        for proc, out in procs:
+            log, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, log[-3000:]
+            results.append(torch.load(out))
+    finally:
+        kill_all([proc for proc, _ in procs])
     return results
 
 
@@ -105,38 +115,41 @@ def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path, mode):
+def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path):
+    """Both optimizer modes at once: two independent pairs of nodes, so their start-ups overlap."""
     import time
 
-    procs = start_nodes(tmp_path, 2, mode, 6, 2, "3", "1")  # node 1 ends abruptly at step 3
     start = time.monotonic()
-    (survivor, _), (dead, _) = procs
-    dead.wait(timeout=120)
-    log, _ = survivor.communicate(timeout=120)
-    assert dead.returncode == 3
-    assert survivor.returncode != 0, log[-2000:]
+    pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, "3", "1") for mode in ("sync", "async")}  # node 1
+    try:  # ends abruptly at step 3
+        for mode, ((survivor, _), (dead, _)) in pairs.items():
+            dead.wait(timeout=120)
+            log, _ = survivor.communicate(timeout=120)
+            assert dead.returncode == 3, mode
+            assert survivor.returncode != 0, (mode, log[-2000:])
+            assert "Connection" in log or "connection" in log or "peer" in log, (mode, log[-2000:])
+    finally:
+        kill_all([proc for procs in pairs.values() for proc, _ in procs])
     assert time.monotonic() - start < 120
-    assert "Connection" in log or "connection" in log or "peer" in log, log[-2000:]
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path, mode):
-
-    # 20 s also bounds start-up and every exchange before the hang: room for a busy 2-core machine
-    procs = start_nodes(tmp_path, 2, mode, 6, 2, env_extra={"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "20"})
-    (survivor, _), (stuck, _) = procs
+def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path):
+    """Both optimizer modes at once: the 20 s each survivor waits out would otherwise come twice. 20 s also
+    bounds start-up and every exchange before the hang: room for four processes on a busy 2-core machine."""
+    hang = {"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "20"}
+    pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, env_extra=hang) for mode in ("sync", "async")}
+    logs = {}
     try:
-        log, _ = survivor.communicate(timeout=100)  # well before the stuck node's 120 s sleep ends
+        for mode, ((survivor, _), _) in pairs.items():
+            logs[mode] = survivor.communicate(timeout=100)[0]  # well before the stuck node's 120 s sleep ends
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
+        kill_all([proc for procs in pairs.values() for proc, _ in procs])
+    for mode, ((survivor, _), (stuck, _)) in pairs.items():
         stuck_log, _ = stuck.communicate()
-    assert "node 1 hangs at step 3" in stuck_log, stuck_log[-2000:]  # the hang happened: not a start-up timeout
-    assert survivor.returncode != 0, log[-2000:]
-    assert "imed out" in log or "timeout" in log.lower(), log[-2000:]
+        assert "node 1 hangs at step 3" in stuck_log, (mode, stuck_log[-2000:])  # not a start-up timeout
+        assert survivor.returncode != 0, (mode, logs[mode][-2000:])
+        assert "imed out" in logs[mode] or "timeout" in logs[mode].lower(), (mode, logs[mode][-2000:])
 
 
 @pytest.mark.timeout(300)
