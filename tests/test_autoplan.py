@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import relative_error
+from helpers import next_batch_and_plain_gradients, relative_error
 from torch import nn
 
 from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
@@ -115,6 +115,43 @@ def test_drifting_costs_bring_a_new_measurement_and_plan():
         after = engine.layer_costs
         assert after is not None and after is not before  # measured again
         assert after.forward[4] > 2 * before.forward[4]
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_drift_keeps_the_plan_when_the_host_could_not_hold_a_measuring_batch():
+    """Measuring again keeps every layer's input on the host: a run at the edge of host memory must go on
+    with its plan (and say so once) rather than die of the re-measurement."""
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = auto_engine(net, check_every=1, replan_margin=0.5)
+    try:
+        engine.train_batch(*batch(0), F.mse_loss)
+        engine.store.clear_grads()
+        first, costs = engine.plan, engine.layer_costs
+        assert len(first.saved_boundaries()) < len(LayerProfile.plan(8).saved_boundaries())  # keeps fewer
+        for s in range(2):  # the plan's reference timing, and a check
+            engine.train_batch(*batch(s), F.mse_loss)
+            engine.store.clear_grads()
+        # micro-batches of 4 rows x 8 floats: 128 bytes per boundary, two micro-batches
+        need = (len(LayerProfile.plan(8).saved_boundaries()) - len(first.saved_boundaries())) * 2 * 128
+        engine.pool.available = lambda: engine.pool.reserve + need - 1  # one byte short
+        _SLOW.update(seconds=0.06)  # the slow layer gets three times slower: its stage drifts
+        with pytest.warns(UserWarning, match="the current plan stays") as warned:
+            for s in range(6):
+                engine.train_batch(*batch(s), F.mse_loss)
+                engine.store.clear_grads()
+        assert len([w for w in warned if "current plan stays" in str(w.message)]) == 1  # said once
+        assert engine.plan == first and engine.layer_costs is costs  # not measured again
+        assert engine.drift is not None and engine.drift > 0.5  # it did drift
+        got, want = next_batch_and_plain_gradients(engine, reference, *batch(7))
+        assert relative_error(got, want) <= 1e-5
+        engine.pool.available = lambda: engine.pool.reserve + need  # now it fits: measured again
+        for s in range(4):
+            engine.train_batch(*batch(s), F.mse_loss)
+            engine.store.clear_grads()
+        assert engine.layer_costs is not costs
     finally:
         engine.close()
 

@@ -329,6 +329,25 @@ def test_host_memory_running_out_is_a_clear_error_and_the_engine_goes_on(monkeyp
     assert isinstance(info.value, MemoryError)  # what baselines.py's probes read as the host running out
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("plan", ["auto", "3,1|2,2,2"])
+def test_host_memory_running_out_while_measuring_the_layers_says_a_plan_skips_it(monkeypatch, plan):
+    """Under plan='auto' the first batches keep every layer's input on the host; running out there is
+    the measurement's doing, and the error says how to do without it. A planned batch does not say so."""
+    monkeypatch.setattr(HostPool, "check_every", 0)
+    model, _ = build("forward")
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan=plan)
+    engine.pool.reserve = 0
+    engine.pool.available = lambda: -1 if threading.current_thread().name.startswith("roundpipe-worker") else 1 << 40
+    try:
+        with pytest.raises(HostMemoryError, match="host memory") as info:
+            engine.train_batch(torch.randn(6, 4), torch.randn(6, 2), F.mse_loss)
+    finally:
+        engine.close()
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert ("A plan passed to RoundPipeStrategy skips this measurement" in note) == (plan == "auto"), note
+
+
 def test_host_pool_leaves_its_reserve_free_and_reads_the_memory_sparingly(monkeypatch):
     reads = []
 

@@ -229,6 +229,9 @@ class PipelineEngine:
         self._eval_calls = 0
         self._closed = False
         self._warned_empty = False
+        self._boundary_bytes = 0
+        """Of the last recorded batch: the largest activation a micro-batch handed between two layers."""
+        self._warned_measuring = False
         self._collectors = []
         self._executors = []
         for i, device in enumerate(devices):
@@ -339,6 +342,7 @@ class PipelineEngine:
         self._recording = pending
 
     def _use_measurements(self, flight: Flight) -> None:
+        self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
         self.last_timeline = timeline(flight)
         self.last_timeline_origin = min(host for _, host in flight.references.values())
         period = self._period(flight.call)
@@ -390,15 +394,44 @@ class PipelineEngine:
             if not self._offset_checked and drift(times, stage_times_of_plan(self.layer_costs, self.plan)) > (
                 self.replan_margin
             ):
-                self.replan()
+                fits = self._measuring_fits()
+                if fits:
+                    self.replan()
                 self._offset_checked = True  # the plan from this measurement gets no further look
-                return
+                if fits:
+                    return
             self._reference = [median(times[slot]) for slot in slots]
             return
         self.drift = drift(times, self._reference)
         self._drifted = self._drifted + 1 if self.drift > self.replan_margin else 0
         if self._drifted >= 2:
-            self.replan()
+            if self._measuring_fits():
+                self.replan()
+            else:
+                self._drifted = 0
+
+    def _measuring_fits(self) -> bool:
+        """Whether the host can hold a batch under the measuring plan. One layer per stage keeps every
+        layer's input on the host until its backward, where a plan keeps only its backward stages'
+        inputs: at long sequences that can be twice the host memory of a planned batch (measured on one
+        H200 at 327,680 tokens: 57 boundaries of 1.25 GiB against the plan's 29). A run that fits its
+        plan must not die of a re-measurement hours in; it keeps its plan instead, and says so once."""
+        measuring = len(LayerProfile.plan(len(self.layers)).saved_boundaries())
+        need = (measuring - len(self.plan.saved_boundaries())) * self.num_microbatches * self._boundary_bytes
+        left = self.pool.available() - self.pool.reserve
+        if need <= left:
+            return True
+        if not self._warned_measuring:
+            self._warned_measuring = True
+            warnings.warn(
+                f"roundpipe: the stage times moved away from the plan's, but measuring the layers again (one"
+                f" layer per stage, every layer's input kept on the host for backward) would take about"
+                f" {need / 2**30:.2f} GiB more host memory than this plan, and {max(0, left) / 2**30:.2f} GiB"
+                " are free beyond the pool's reserve: the current plan stays. Pass an explicit plan to"
+                " RoundPipeStrategy to pin one (docs/tuning.md).",
+                stacklevel=2,
+            )
+        return False
 
     def _is_check(self, flight: Flight) -> bool:
         """A batch recorded for the drift check (every ``check_every``), on the current automatic plan.

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_roundpipe.runtime.collector import GradCollector, GradJob
 from lightning_roundpipe.runtime.device import WorkerDevice, layer_seed
 from lightning_roundpipe.runtime.flight import Flight
-from lightning_roundpipe.runtime.host_pool import Parcel
+from lightning_roundpipe.runtime.host_pool import HostMemoryError, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 from lightning_roundpipe.schedule.actions import Action, Op
@@ -37,6 +37,13 @@ from lightning_roundpipe.schedule.plan import Stage, StagePlan
 from lightning_roundpipe.schedule.transfers import pack_parts
 
 _PLAIN = (bool, int, float, str, type(None))
+MEASURING_NOTE = (
+    "roundpipe: this was a batch that measures the layers (plan='auto' runs profile_steps of them, with one"
+    " layer per stage). It keeps every layer's input on the host until backward; the plan that follows"
+    " keeps only its backward stages' inputs (29 against 57 for the 1.7B shape split into 58 layers at"
+    " 327,680 tokens). A plan passed to RoundPipeStrategy skips this measurement; RoundPipeMonitor"
+    "(layer_costs=...) prints the automatic plan of a run."
+)
 
 
 def weightless_replica(layer: nn.Module) -> nn.Module:
@@ -172,6 +179,8 @@ class StageExecutor:
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
                         if isinstance(e, torch.OutOfMemoryError):
                             e.add_note(self._out_of_memory_note(action))
+                        if isinstance(e, HostMemoryError) and flight.measure_memory:
+                            e.add_note(MEASURING_NOTE)
                     raise
             if settle:
                 for gate in self._collecting:

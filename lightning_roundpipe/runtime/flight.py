@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.workers import Gate
@@ -83,6 +84,9 @@ class Flight:
         self.memory: list[tuple[Any, int]] = []
         """(action, bytes): a forward's peak, or a recompute and backward's peak beyond what autograd kept
         and the stage's gradients (its transient)."""
+        self.boundary_bytes = 0
+        """The largest activation one micro-batch handed between two layers (bytes): what each boundary
+        kept for backward holds on the host, per micro-batch."""
         self.references: dict[int, tuple[Any, float]] = {}
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
         self.cast_wait = 0.0
@@ -134,6 +138,9 @@ class Flight:
             if parcel is not None:
                 self.pool.release(parcel)
             return
+        if parcel is not None and key[0] == "act" and key[1] > 0:
+            nbytes = sum(t.nbytes for t in tree_flatten(parcel.value)[0] if isinstance(t, Tensor))
+            self.boundary_bytes = max(self.boundary_bytes, nbytes)  # a race loses a size seen twice: harmless
         box.value = parcel
         box.gate.set()
 
