@@ -71,10 +71,19 @@ def start_nodes(
 
 
 def kill_all(procs: list) -> None:
-    """No node outlives its test, whatever the test asserted."""
+    """No node outlives its test, whatever the test asserted (killed, then reaped)."""
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()  # its output stays in the pipe for a later communicate()
+
+
+def left(deadline: float) -> float:
+    """Seconds to the test's own deadline: a slow node fails it with ``TimeoutExpired`` (and the other
+    nodes killed), before pytest-timeout's limit would end it without a word."""
+    import time
+
+    return max(1.0, deadline - time.monotonic())
 
 
 def launch_nodes(
@@ -123,8 +132,8 @@ def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path):
     pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, "3", "1") for mode in ("sync", "async")}  # node 1
     try:  # ends abruptly at step 3
         for mode, ((survivor, _), (dead, _)) in pairs.items():
-            dead.wait(timeout=120)
-            log, _ = survivor.communicate(timeout=120)
+            dead.wait(timeout=left(start + 240))
+            log, _ = survivor.communicate(timeout=left(start + 240))
             assert dead.returncode == 3, mode
             assert survivor.returncode != 0, (mode, log[-2000:])
             assert "Connection" in log or "connection" in log or "peer" in log, (mode, log[-2000:])
@@ -137,12 +146,15 @@ def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path):
 def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path):
     """Both optimizer modes at once: the 20 s each survivor waits out would otherwise come twice. 20 s also
     bounds start-up and every exchange before the hang: room for four processes on a busy 2-core machine."""
+    import time
+
     hang = {"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "20"}
+    start = time.monotonic()
     pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, env_extra=hang) for mode in ("sync", "async")}
     logs = {}
     try:
-        for mode, ((survivor, _), _) in pairs.items():
-            logs[mode] = survivor.communicate(timeout=100)[0]  # well before the stuck node's 120 s sleep ends
+        for mode, ((survivor, _), _) in pairs.items():  # well before the stuck nodes' 120 s sleep ends
+            logs[mode] = survivor.communicate(timeout=left(start + 110))[0]
     finally:
         kill_all([proc for procs in pairs.values() for proc, _ in procs])
     for mode, ((survivor, _), (stuck, _)) in pairs.items():
@@ -168,10 +180,13 @@ def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_state
 @pytest.mark.timeout(120)
 def test_nodes_with_different_models_are_refused(tmp_path):
     procs = start_nodes(tmp_path, 2, "sync", 6, 1, env_extra={"WIDTH": "20", "WIDTH_RANK": "1"})
-    for proc, _ in procs:
-        log, _ = proc.communicate(timeout=100)
-        assert proc.returncode != 0
-        assert "node 1's model differs from node 0's" in log, log[-2000:]
+    try:
+        for proc, _ in procs:
+            log, _ = proc.communicate(timeout=100)
+            assert proc.returncode != 0
+            assert "node 1's model differs from node 0's" in log, log[-2000:]
+    finally:
+        kill_all([proc for proc, _ in procs])
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ and :meth:`submit_step` hands the step to the host optimizer worker (see
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import warnings
@@ -413,11 +414,16 @@ class PipelineEngine:
     def _measuring_fits(self) -> bool:
         """Whether the host can hold a batch under the measuring plan. One layer per stage keeps every
         layer's input on the host until its backward, where a plan keeps only its backward stages'
-        inputs: at long sequences that can be twice the host memory of a planned batch (measured on one
-        H200 at 327,680 tokens: 57 boundaries of 1.25 GiB against the plan's 29). A run that fits its
-        plan must not die of a re-measurement hours in; it keeps its plan instead, and says so once."""
+        inputs: at long sequences that can be twice the host memory of a planned batch (by arithmetic on
+        one H200 at 327,680 tokens: 57 boundaries of 1.25 GiB against the plan's 29). A run that fits its
+        plan must not die of a re-measurement hours in; it keeps its plan instead, and says so once.
+
+        The estimate takes every boundary as wide as the widest the last recorded batch passed (a
+        decoder's are all one hidden state wide), two rounds of micro-batches alive at once (workers
+        overlap a round's backward with the next one's forward), and, in asynchronous mode, two batches."""
         measuring = len(LayerProfile.plan(len(self.layers)).saved_boundaries())
-        need = (measuring - len(self.plan.saved_boundaries())) * self.num_microbatches * self._boundary_bytes
+        alive = min(self.num_microbatches, 2 * self.microbatches_per_round) * (2 if self.asynchronous else 1)
+        need = (measuring - len(self.plan.saved_boundaries())) * alive * self._boundary_bytes
         left = self.pool.available() - self.pool.reserve
         if need <= left:
             return True
@@ -426,10 +432,10 @@ class PipelineEngine:
             warnings.warn(
                 f"roundpipe: the stage times moved away from the plan's, but measuring the layers again (one"
                 f" layer per stage, every layer's input kept on the host for backward) would take about"
-                f" {need / 2**30:.2f} GiB more host memory than this plan, and {max(0, left) / 2**30:.2f} GiB"
-                " are free beyond the pool's reserve: the current plan stays. Pass an explicit plan to"
-                " RoundPipeStrategy to pin one (docs/tuning.md).",
-                stacklevel=2,
+                f" {_size(need)} more host memory than this plan, and {_size(max(0, left))} are free beyond"
+                " the pool's reserve: the current plan stays. Pass an explicit plan to RoundPipeStrategy to"
+                " pin one (docs/tuning.md).",
+                stacklevel=_caller_outside_package(),
             )
         return False
 
@@ -971,6 +977,19 @@ class PipelineEngine:
 
 
 DOUBLE_BUFFERS = ("none", "first", "all")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package (the user's
+    code or Lightning's), however deep inside the engine it is raised."""
+    frame, level = sys._getframe(1), 1  # the function that warns
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("lightning_roundpipe"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def double_buffering(value: bool | str) -> str:

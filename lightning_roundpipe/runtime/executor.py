@@ -40,9 +40,8 @@ _PLAIN = (bool, int, float, str, type(None))
 MEASURING_NOTE = (
     "roundpipe: this was a batch that measures the layers (plan='auto' runs profile_steps of them, with one"
     " layer per stage). It keeps every layer's input on the host until backward; the plan that follows"
-    " keeps only its backward stages' inputs (29 against 57 for the 1.7B shape split into 58 layers at"
-    " 327,680 tokens). A plan passed to RoundPipeStrategy skips this measurement; RoundPipeMonitor"
-    "(layer_costs=...) prints the automatic plan of a run."
+    " keeps only its backward stages' inputs, often far fewer. A plan passed to RoundPipeStrategy skips"
+    " this measurement; RoundPipeMonitor(layer_costs=...) prints the automatic plan of a run."
 )
 
 

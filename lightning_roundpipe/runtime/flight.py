@@ -85,8 +85,8 @@ class Flight:
         """(action, bytes): a forward's peak, or a recompute and backward's peak beyond what autograd kept
         and the stage's gradients (its transient)."""
         self.boundary_bytes = 0
-        """The largest activation one micro-batch handed between two layers (bytes): what each boundary
-        kept for backward holds on the host, per micro-batch."""
+        """Recorded batches: the largest activation one micro-batch handed between two stages (bytes),
+        what each boundary kept for backward holds on the host, per micro-batch."""
         self.references: dict[int, tuple[Any, float]] = {}
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
         self.cast_wait = 0.0
@@ -138,7 +138,7 @@ class Flight:
             if parcel is not None:
                 self.pool.release(parcel)
             return
-        if parcel is not None and key[0] == "act" and key[1] > 0:
+        if self.record and parcel is not None and key[0] == "act" and key[1] > 0:
             nbytes = sum(t.nbytes for t in tree_flatten(parcel.value)[0] if isinstance(t, Tensor))
             self.boundary_bytes = max(self.boundary_bytes, nbytes)  # a race loses a size seen twice: harmless
         box.value = parcel
