@@ -105,26 +105,23 @@ class HostPool:
         with self._lock:
             idle = [b for free in self._free.values() for b, events in free if all(e.query() for e in events)]
             idle.sort(key=lambda b: b.numel() * b.element_size(), reverse=True)
-            chosen, total = [], 0
+            chosen, freed = [], 0
             for buffer in idle:
-                if total >= need:
+                if freed >= need:
                     break
                 chosen.append(buffer)
-                total += buffer.numel() * buffer.element_size()
-            idle = chosen
-            if not idle:
+                freed += buffer.numel() * buffer.element_size()
+            if not chosen:
                 return 0
-            ids = {id(b) for b in idle}
+            ids = {id(b) for b in chosen}
             for key in list(self._free):
                 self._free[key] = [(b, e) for b, e in self._free[key] if id(b) not in ids]
             self._registered = [t for t in self._registered if id(t) not in ids]
-            freed = sum(b.numel() * b.element_size() for b in idle)
-            for buffer in idle:
+            for buffer in chosen:
                 torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
             self.pinned_bytes -= freed
             self.buffer_bytes -= freed
-        del idle
-        return freed
+        return freed  # the unpinned buffers go with the last references: ``idle`` and ``chosen`` here
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D buffer of exactly ``numel`` elements (contents undefined)."""
