@@ -147,7 +147,7 @@ class Clock(L.Callback):
                 torch.cuda.synchronize()  # the baselines' queued GPU work belongs to this step
             self.stamps.append(time.perf_counter())
             if engine is not None:
-                now = engine.transferred_bytes()
+                now = engine.crew.transferred_bytes()
                 self.moved = [self.moved[0] if self.moved else now, now]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -158,10 +158,10 @@ class Clock(L.Callback):
             torch.cuda.synchronize()
         self.drained = time.perf_counter()
         if engine is not None and self.moved:
-            self.moved[-1] = engine.transferred_bytes()
-            costs = None if engine.layer_costs is None else asdict(engine.layer_costs)
-            self.engine = {"plan": str(engine.plan), "predicted_bubble": engine.predicted_bubble,
-                           "workers": engine.num_workers, "handoff_s": engine.handoff,
+            self.moved[-1] = engine.crew.transferred_bytes()
+            costs = None if engine.planner.layer_costs is None else asdict(engine.planner.layer_costs)
+            self.engine = {"plan": str(engine.plan), "predicted_bubble": engine.planner.predicted_bubble,
+                           "workers": engine.num_workers, "handoff_s": engine.stats.handoff,
                            "layer_costs": costs,  # what the plan was made from
                            # where the host memory went: model states, and all that is page-locked
                            # (the states' compute copies and gradients, plus the pool's buffers in transit)

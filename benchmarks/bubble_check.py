@@ -71,8 +71,8 @@ class Shaped(L.LightningModule):
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         self.plan = str(self.trainer.strategy.engine.plan)
         engine = self.trainer.strategy.engine
-        self.timeline = list(engine.last_timeline)
-        self.costs = None if engine.layer_costs is None else asdict(engine.layer_costs)
+        self.timeline = list(engine.stats.last_timeline)
+        self.costs = None if engine.planner.layer_costs is None else asdict(engine.planner.layer_costs)
         self.ends.append(time.perf_counter())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -48,8 +48,9 @@ def hf_model(shape: Any) -> torch.nn.Module:
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_roundpipe.engine import PipelineEngine
     from lightning_roundpipe.models import hf
-    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
     from lightning_roundpipe.schedule import StagePlan
 

@@ -75,8 +75,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    from lightning_roundpipe.engine import PipelineEngine
     from lightning_roundpipe.models import hf
-    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 

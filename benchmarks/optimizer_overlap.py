@@ -36,7 +36,8 @@ CONFIGS = ("fwd-bwd", "sync", "async", "barrier")
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.engine import PipelineEngine
+    from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
     from lightning_roundpipe.schedule import StagePlan

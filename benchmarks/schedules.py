@@ -37,7 +37,8 @@ SLICES = {
 
 
 def measure(name: str, args: argparse.Namespace) -> Any:
-    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.engine import PipelineEngine
+    from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
 
     shape_or_name, _ = SLICES[name]
@@ -56,8 +57,8 @@ def measure(name: str, args: argparse.Namespace) -> Any:
             engine.train_batch((tokens, labels), labels, lambda out, _: out, reduction=lambda t: (t != -100).sum())
             engine.store.clear_grads()
             if i == 0:
-                engine.replan()  # measure after the warm-up batch
-        return engine.layer_costs
+                engine.planner.replan()  # measure after the warm-up batch
+        return engine.planner.layer_costs
     finally:
         engine.close()
 

@@ -219,7 +219,8 @@ def run_plain(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
 
 
 def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimizer_steps: int) -> dict[str, Any]:
-    from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+    from lightning_roundpipe.engine import PipelineEngine
+    from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
     from lightning_roundpipe.runtime.profile import idle_gaps
     from lightning_roundpipe.schedule import StagePlan
@@ -264,12 +265,12 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 _reset_peak(args)
-                up0, down0 = engine.transferred_bytes()
+                up0, down0 = engine.crew.transferred_bytes()
             elapsed = step(i)
             if i >= args.warmup:
                 fwd_bwd.append(elapsed)
             engine.store.clear_grads()
-        up, down = engine.transferred_bytes()
+        up, down = engine.crew.transferred_bytes()
         timed = sum(fwd_bwd)
         result: dict[str, Any] = {
             "fwd_bwd_s": fwd_bwd,
@@ -285,19 +286,19 @@ def run_roundpipe(args: argparse.Namespace, shape: Shape, overlap: str, optimize
             "pinned_gib": engine.pool.pinned_bytes / GiB,
         }
         # one more step with the engine's timers: the device's idle between its actions, by what came next
-        engine.measure_next()
+        engine.planner.measure_next()
         logs: list[tuple[float, float, float, int]] = []
-        engine.log_gradient_adds(logs)
+        engine.crew.log_gradient_adds(logs)
         t0 = time.perf_counter()
         step(998)
         t1 = time.perf_counter()
-        engine.log_gradient_adds(None)
+        engine.crew.log_gradient_adds(None)
         engine.store.clear_grads()
-        rows = engine.last_timeline
+        rows = engine.stats.last_timeline
         result["recorded_step_s"] = max(r[3] for r in rows) - min(r[2] for r in rows)
         result["recorded_busy_s"] = sum(r[3] - r[2] for r in rows)
         result["idle_gaps"] = idle_gaps(rows)
-        result["anatomy"] = step_anatomy(t0, t1, engine.last_timeline_origin, rows, logs)
+        result["anatomy"] = step_anatomy(t0, t1, engine.stats.last_timeline_origin, rows, logs)
         if args.profile:
             result.update(profile_step(lambda: step(999), args.profile, args.run))
             engine.store.clear_grads()

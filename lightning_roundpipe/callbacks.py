@@ -36,7 +36,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
     - ``roundpipe/host_gap``: fraction of the step from its last kernel to the next step's first, when
       the devices wait for the host
     - ``roundpipe/handoff_s``: what the prediction charges between two batches (the host's turn, the
-      first slot's wait for its casts and its upload; see ``PipelineEngine.handoff``)
+      first slot's wait for its casts and its upload; see ``StepStats.handoff``)
     - ``roundpipe/stages``: slots per round in the current plan
     - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
       automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
@@ -80,7 +80,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
         engine = trainer.strategy.engine
         wants_timeline = self.timeline is not None and not self.timeline.exists()
         if engine is not None and (self._due(trainer, 1) or wants_timeline):
-            engine.measure_next()
+            engine.planner.measure_next()
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -89,31 +89,31 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             return
         if (
             self.layer_costs is not None
-            and engine.layer_costs is not None
-            and engine.layer_costs is not self._written_costs
+            and engine.planner.layer_costs is not None
+            and engine.planner.layer_costs is not self._written_costs
         ):
-            self._written_costs = engine.layer_costs
+            self._written_costs = engine.planner.layer_costs
             self._write_costs(engine)
-        if self.timeline is not None and not self.timeline.exists() and engine.last_timeline:
-            write_timeline(engine.last_timeline, self.timeline)
+        if self.timeline is not None and not self.timeline.exists() and engine.stats.last_timeline:
+            write_timeline(engine.stats.last_timeline, self.timeline)
         if not self._due(trainer, 0):
             return
         metrics: dict[str, float] = {"roundpipe/stages": float(engine.plan.num_slots)}
-        for worker, busy in engine.busy.items():
+        for worker, busy in engine.stats.busy.items():
             metrics[f"roundpipe/busy_worker{worker}"] = busy
-        if engine.busy:
-            metrics["roundpipe/bubble_measured"] = 1.0 - sum(engine.busy.values()) / engine.num_workers
-        if engine.predicted_bubble is not None:
-            metrics["roundpipe/bubble_predicted"] = engine.predicted_bubble
-        if engine.bubble_in_step is not None:
-            metrics["roundpipe/bubble_in_step"] = engine.bubble_in_step
-        if engine.host_gap is not None:
-            metrics["roundpipe/host_gap"] = engine.host_gap
-        if engine.handoff is not None:
-            metrics["roundpipe/handoff_s"] = engine.handoff
-        if engine.drift is not None:
-            metrics["roundpipe/drift"] = engine.drift
-        now, moved = time.perf_counter(), engine.transferred_bytes()
+        if engine.stats.busy:
+            metrics["roundpipe/bubble_measured"] = 1.0 - sum(engine.stats.busy.values()) / engine.num_workers
+        if engine.planner.predicted_bubble is not None:
+            metrics["roundpipe/bubble_predicted"] = engine.planner.predicted_bubble
+        if engine.stats.bubble_in_step is not None:
+            metrics["roundpipe/bubble_in_step"] = engine.stats.bubble_in_step
+        if engine.stats.host_gap is not None:
+            metrics["roundpipe/host_gap"] = engine.stats.host_gap
+        if engine.stats.handoff is not None:
+            metrics["roundpipe/handoff_s"] = engine.stats.handoff
+        if engine.planner.drift is not None:
+            metrics["roundpipe/drift"] = engine.planner.drift
+        now, moved = time.perf_counter(), engine.crew.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9
             metrics["roundpipe/d2h_gbps"] = (moved[1] - self._last_bytes[1]) / (now - self._last_time) / 1e9
@@ -142,12 +142,12 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
         return out
 
     def _write_costs(self, engine: Any) -> None:
-        c = engine.layer_costs
+        c = engine.planner.layer_costs
         assert self.layer_costs is not None
         self.layer_costs.parent.mkdir(parents=True, exist_ok=True)
         rows = {
             "plan": str(engine.plan),
-            "predicted_bubble": engine.predicted_bubble,
+            "predicted_bubble": engine.planner.predicted_bubble,
             "layers": [
                 {
                     "forward_ms": f * 1e3,

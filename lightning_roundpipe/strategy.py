@@ -28,9 +28,9 @@ from typing_extensions import override
 
 from lightning_roundpipe import api
 from lightning_roundpipe._flavor import lightning_package, sibling
+from lightning_roundpipe.engine import PipelineEngine, double_buffering
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
-from lightning_roundpipe.runtime.engine import PipelineEngine, double_buffering
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.microbatch import Reduction
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec

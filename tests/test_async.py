@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from helpers import BoringPipeline, fit, relative_error
 from torch import nn
 
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime import executor as executor_module
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -403,7 +404,7 @@ def test_first_stage_spares_grow_only_before_a_steps_first_batch(monkeypatch):
         for step, step_batches in enumerate(data):
             for b, (x, y) in enumerate(step_batches):
                 if (step, b) == (1, 1):
-                    engine._set_plan(StagePlan.parse("3,3|1,1,1,1,1,1,1"))  # e.g. profiling ended mid-step
+                    engine.set_plan(StagePlan.parse("3,3|1,1,1,1,1,1,1"))  # e.g. profiling ended mid-step
                 before = spared()
                 engine.train_batch(x, y, F.mse_loss, grad_scale=0.5)
                 if spared() != before:

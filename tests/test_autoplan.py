@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from helpers import next_batch_and_plain_gradients, relative_error
 from torch import nn
 
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime.profile import LayerProfile
 from lightning_roundpipe.schedule import StagePlan
 
@@ -82,7 +83,7 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
             for p, q in zip(net.parameters(), reference.parameters()):
                 assert relative_error(p.grad, q.grad) <= 1e-5  # the same numbers under every plan
             engine.store.clear_grads()
-        costs = engine.layer_costs
+        costs = engine.planner.layer_costs
         assert costs is not None and engine.plan != LayerProfile.plan(8)
         # against the median of the others: on 2 busy cores one fast layer's sample can catch a stall
         assert costs.forward[4] > 5 * statistics.median(costs.forward[i] for i in range(8) if i != 4)
@@ -91,7 +92,7 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
         # (synchronous) mode; its choice is tested in test_choose.py
         assert asked == [{"asynchronous": False}]
         assert engine.plan == real(costs, 2, engine.num_microbatches, asynchronous=False).plan
-        assert engine.predicted_bubble is not None and 0 <= engine.predicted_bubble < 1
+        assert engine.planner.predicted_bubble is not None and 0 <= engine.planner.predicted_bubble < 1
     finally:
         engine.close()
 
@@ -106,13 +107,13 @@ def test_drifting_costs_bring_a_new_measurement_and_plan():
         assert first != LayerProfile.plan(8)
         for s in range(4):  # stable costs: the plan stays (the reference, then three checks)
             engine.train_batch(*batch(s), F.mse_loss)
-        assert engine.plan == first and engine.drift is not None and engine.drift < 0.5
-        before = engine.layer_costs
+        assert engine.plan == first and engine.planner.drift is not None and engine.planner.drift < 0.5
+        before = engine.planner.layer_costs
         assert before is not None
         _SLOW.update(seconds=0.06)  # the slow layer gets three times slower: its stage drifts
         for s in range(4):
             engine.train_batch(*batch(s), F.mse_loss)
-        after = engine.layer_costs
+        after = engine.planner.layer_costs
         assert after is not None and after is not before  # measured again
         assert after.forward[4] > 2 * before.forward[4]
     finally:
@@ -129,7 +130,7 @@ def test_drift_keeps_the_plan_when_the_host_could_not_hold_a_measuring_batch():
     try:
         engine.train_batch(*batch(0), F.mse_loss)
         engine.store.clear_grads()
-        first, costs = engine.plan, engine.layer_costs
+        first, costs = engine.plan, engine.planner.layer_costs
         assert len(first.saved_boundaries()) < len(LayerProfile.plan(8).saved_boundaries())  # keeps fewer
         for s in range(2):  # the plan's reference timing, and a check
             engine.train_batch(*batch(s), F.mse_loss)
@@ -144,15 +145,15 @@ def test_drift_keeps_the_plan_when_the_host_could_not_hold_a_measuring_batch():
                 engine.store.clear_grads()
         (said,) = [w for w in warned if "current plan stays" in str(w.message)]  # said once
         assert "lightning_roundpipe" not in said.filename  # pointed at the caller, not the engine's insides
-        assert engine.plan == first and engine.layer_costs is costs  # not measured again
-        assert engine.drift is not None and engine.drift > 0.5  # it did drift
+        assert engine.plan == first and engine.planner.layer_costs is costs  # not measured again
+        assert engine.planner.drift is not None and engine.planner.drift > 0.5  # it did drift
         got, want = next_batch_and_plain_gradients(engine, reference, *batch(7))
         assert relative_error(got, want) <= 1e-5
         engine.pool.available = lambda: engine.pool.reserve + need  # now it fits: measured again
         for s in range(4):
             engine.train_batch(*batch(s), F.mse_loss)
             engine.store.clear_grads()
-        assert engine.layer_costs is not costs
+        assert engine.planner.layer_costs is not costs
     finally:
         engine.close()
 
@@ -172,11 +173,11 @@ class SlowToStart(WorkerDevice):
 
 def measurements(engine: PipelineEngine, batches: int) -> int:
     """Train ``batches`` batches; how many times the layers were measured anew meanwhile."""
-    seen, count = engine.layer_costs, 0
+    seen, count = engine.planner.layer_costs, 0
     for s in range(batches):
         engine.train_batch(*batch(s), F.mse_loss)
-        if engine.layer_costs is not seen:
-            seen, count = engine.layer_costs, count + 1
+        if engine.planner.layer_costs is not seen:
+            seen, count = engine.planner.layer_costs, count + 1
     return count
 
 
@@ -196,8 +197,8 @@ def test_a_stage_offset_every_measurement_shows_gets_one_more_look_then_no_churn
         engine.train_batch(*batch(0), F.mse_loss)
         assert max(s.stop - s.start for s in engine.plan.stages()) >= 2  # stages the overhead makes faster
         assert measurements(engine, 10) == 1
-        assert engine.plan != LayerProfile.plan(8) and engine.drift is not None and engine.drift < 0.3
-        engine.replan()  # asked for: its plan gets its own second look, then stays
+        assert engine.plan != LayerProfile.plan(8) and engine.planner.drift is not None and engine.planner.drift < 0.3
+        engine.planner.replan()  # asked for: its plan gets its own second look, then stays
         assert measurements(engine, 10) == 2
     finally:
         engine.close()
@@ -208,11 +209,11 @@ def test_a_slowdown_right_after_profiling_is_measured_once_more():
     engine = auto_engine(check_every=1, replan_margin=0.5)
     try:
         engine.train_batch(*batch(0), F.mse_loss)
-        before = engine.layer_costs
+        before = engine.planner.layer_costs
         assert before is not None
         _SLOW.update(seconds=0.08)  # four times the profiled cost, before the plan's first check
         assert measurements(engine, 8) == 1
-        assert engine.layer_costs.forward[4] > 2.5 * before.forward[4]
+        assert engine.planner.layer_costs.forward[4] > 2.5 * before.forward[4]
     finally:
         engine.close()
 
@@ -232,9 +233,9 @@ def test_a_resumed_run_judges_drift_against_the_saved_reference():
     try:
         resumed.load_state_dict(state)
         assert resumed.plan == StagePlan.parse(state["plan"])
-        assert resumed._reference == state["drift_reference"] and not resumed._offset_checked
+        assert resumed.planner.reference == state["drift_reference"] and not resumed.planner.offset_checked
         assert measurements(resumed, 4) == 1
-        assert resumed.layer_costs.forward[4] > 2.5 * state["layer_costs"]["forward"][4]
+        assert resumed.planner.layer_costs.forward[4] > 2.5 * state["layer_costs"]["forward"][4]
     finally:
         resumed.close()
 
@@ -245,16 +246,16 @@ def test_batches_recorded_for_a_monitor_are_not_drift_checks():
     engine = auto_engine(check_every=100, replan_margin=0.5)
     try:
         engine.train_batch(*batch(0), F.mse_loss)
-        costs = engine.layer_costs
+        costs = engine.planner.layer_costs
         for s in range(3):
-            engine.measure_next()
+            engine.planner.measure_next()
             engine.train_batch(*batch(s), F.mse_loss)
         _SLOW.update(seconds=0.08)
         for s in range(4):
-            engine.measure_next()
+            engine.planner.measure_next()
             engine.train_batch(*batch(s), F.mse_loss)
-        assert engine.busy  # they were measured
-        assert engine.layer_costs is costs and engine.drift is None  # but not checked
+        assert engine.stats.busy  # they were measured
+        assert engine.planner.layer_costs is costs and engine.planner.drift is None  # but not checked
     finally:
         engine.close()
 
@@ -267,8 +268,8 @@ def test_the_objective_planner_takes_the_partitioners_plan():
     try:
         for s in range(2):
             engine.train_batch(*batch(s), F.mse_loss)
-        assert engine.layer_costs is not None
-        assert engine.plan == partition(engine.layer_costs, 2, engine.num_microbatches).plan
+        assert engine.planner.layer_costs is not None
+        assert engine.plan == partition(engine.planner.layer_costs, 2, engine.num_microbatches).plan
     finally:
         engine.close()
     with pytest.raises(ValueError, match="planner='quickest' is not one of"):
@@ -279,15 +280,15 @@ def test_the_objective_planner_takes_the_partitioners_plan():
 def test_replan_on_request_and_busy_fractions():
     engine = PipelineEngine(list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,3|2,2,2,2")
     try:
-        assert engine.layer_costs is None
-        engine.replan()
+        assert engine.planner.layer_costs is None
+        engine.planner.replan()
         assert engine.plan == LayerProfile.plan(8)
         for s in range(3):
             engine.train_batch(*batch(s), F.mse_loss)
-        assert engine.layer_costs is not None
-        engine.measure_next()
+        assert engine.planner.layer_costs is not None
+        engine.planner.measure_next()
         engine.train_batch(*batch(9), F.mse_loss)
-        assert engine.busy and all(0 < b <= 1 for b in engine.busy.values())
+        assert engine.stats.busy and all(0 < b <= 1 for b in engine.stats.busy.values())
     finally:
         engine.close()
 
@@ -313,7 +314,7 @@ def test_profiling_takes_memory_peaks_into_the_costs_where_the_device_measures_t
         for s in range(2):
             engine.train_batch(*batch(s), F.mse_loss)
             engine.store.clear_grads()
-        costs = engine.layer_costs
+        costs = engine.planner.layer_costs
         assert costs is not None
         # forward stages: the peak as measured (the last layer runs only in the fused stage)
         assert costs.forward_activations == (1000,) * 7 + (0,)
@@ -326,8 +327,9 @@ def test_profiling_takes_memory_peaks_into_the_costs_where_the_device_measures_t
     plain = PipelineEngine(list(model().children()), [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1)
     try:
         plain.train_batch(*batch(0), F.mse_loss)
-        assert plain.layer_costs is not None
-        assert not any(plain.layer_costs.backward_transients) and not any(plain.layer_costs.forward_activations)
+        costs = plain.planner.layer_costs
+        assert costs is not None
+        assert not any(costs.backward_transients) and not any(costs.forward_activations)
     finally:
         plain.close()
 
@@ -345,16 +347,18 @@ def test_prediction_charges_the_measured_handoff_between_batches():
     )  # fmt: skip
     try:
         for s in range(7):
-            engine.measure_next()
+            engine.planner.measure_next()
             engine.train_batch(*batch(s), F.mse_loss)
             time.sleep(0.3)
-        assert engine.handoff is not None and 0.3 <= engine.handoff < 0.6
-        packed = simulate("roundpipe-async", engine.layer_costs, 1, 2, plan=engine.plan).bubble_ratio
-        charged = simulate("roundpipe-async", engine.layer_costs, 1, 2, plan=engine.plan, handoff=engine.handoff)
-        assert engine.predicted_bubble == pytest.approx(charged.bubble_ratio)
-        assert engine.predicted_bubble > packed + 0.3
-        measured = 1.0 - engine.busy[0]
-        assert engine.predicted_bubble == pytest.approx(measured, abs=0.15)
+        assert engine.stats.handoff is not None and 0.3 <= engine.stats.handoff < 0.6
+        packed = simulate("roundpipe-async", engine.planner.layer_costs, 1, 2, plan=engine.plan).bubble_ratio
+        charged = simulate(
+            "roundpipe-async", engine.planner.layer_costs, 1, 2, plan=engine.plan, handoff=engine.stats.handoff
+        )
+        assert engine.planner.predicted_bubble == pytest.approx(charged.bubble_ratio)
+        assert engine.planner.predicted_bubble > packed + 0.3
+        measured = 1.0 - engine.stats.busy[0]
+        assert engine.planner.predicted_bubble == pytest.approx(measured, abs=0.15)
     finally:
         engine.close()
 
@@ -380,9 +384,9 @@ def test_idle_gaps_of_a_recorded_batch_cover_the_idle_between_its_actions():
 
     engine = PipelineEngine(list(model().children()), [WorkerDevice("cpu", 0)], plan="3,3|2,3,3")
     try:
-        engine.measure_next()
+        engine.planner.measure_next()
         engine.train_batch(*batch(0), F.mse_loss)
-        rows = engine.last_timeline
+        rows = engine.stats.last_timeline
         gaps = idle_gaps(rows)
         span = max(r[3] for r in rows) - min(r[2] for r in rows)
         busy = sum(r[3] - r[2] for r in rows)

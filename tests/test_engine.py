@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from helpers import relative_error
 from torch import nn
 
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice, layer_seed
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice, layer_seed
 from lightning_roundpipe.schedule import StagePlan
 
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from helpers import relative_error
 from test_engine import batch, mlp
 
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 

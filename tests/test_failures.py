@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from helpers import next_batch_and_plain_gradients
 from torch import nn
 
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime.host_pool import HostMemoryError, HostPool
 from lightning_roundpipe.schedule import StagePlan
 

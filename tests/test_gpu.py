@@ -12,7 +12,8 @@ from helpers import BoringPipeline, fit, flat_weights, next_batch_and_plain_grad
 from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime.device import CudaWorkerDevice
 from lightning_roundpipe.schedule import StagePlan
 

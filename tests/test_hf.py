@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 transformers = pytest.importorskip("transformers")
 
 from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.engine import PipelineEngine  # noqa: E402
 from lightning_roundpipe.models import hf  # noqa: E402
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice  # noqa: E402
+from lightning_roundpipe.runtime import WorkerDevice  # noqa: E402
 from lightning_roundpipe.schedule import StagePlan  # noqa: E402
 
 VOCAB = 101
@@ -234,8 +235,8 @@ def test_a_split_block_keeps_about_half_the_activations_per_stage():
             batch = padded_batch(rows=2, length=48)
             inputs = (batch["input_ids"], batch["attention_mask"], None, batch["labels"])
             engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
-            assert engine.layer_costs is not None
-            kept[split] = max(engine.layer_costs.backward_activations[1:-1])  # the decoder layers
+            assert engine.planner.layer_costs is not None
+            kept[split] = max(engine.planner.layer_costs.backward_activations[1:-1])  # the decoder layers
         finally:
             engine.close()
     assert kept[True] <= 0.65 * kept[False], kept

@@ -13,7 +13,7 @@ from helpers import BoringPipeline, boring_data, relative_error
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.runtime import PipelineEngine
+from lightning_roundpipe.engine import PipelineEngine
 
 CPU = dict(
     accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False

@@ -12,7 +12,8 @@ from helpers import BoringPipeline, boring_data
 from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy, estimate_host_memory
-from lightning_roundpipe.runtime import PipelineEngine, WorkerDevice
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
 
 
 @pytest.mark.parametrize(

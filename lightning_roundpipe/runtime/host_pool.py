@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_roundpipe.runtime.host_memory import available_host_memory, host_memory_limit
+
 GiB = 2**30
 
 
@@ -31,16 +33,12 @@ class HostMemoryError(MemoryError):
 
 
 def available_host_bytes() -> int:
-    from lightning_roundpipe.memory import available_host_memory  # cgroup limits included
-
-    return available_host_memory()
+    return available_host_memory()  # cgroup limits included
 
 
 def default_reserve() -> int:
     """Memory left to everything else (the OS, Python objects, the optimizer's temporaries): 2 GiB or
     1/32 of the memory this process may use (the machine's, or its cgroup's limit), whichever is more."""
-    from lightning_roundpipe.memory import host_memory_limit
-
     return max(2 * GiB, host_memory_limit() // 32)
 
 
@@ -189,6 +187,18 @@ class HostPool:
                 self.give(buffer)
             raise
         return Parcel(tree_unflatten(out, spec), None, buffers)
+
+    def stage_all(self, trees: list[Any]) -> list[Parcel]:
+        """:meth:`stage` for each tree, all or none (a failure gives back what it took)."""
+        parcels: list[Parcel] = []
+        try:
+            for tree in trees:
+                parcels.append(self.stage(tree))
+        except BaseException:
+            for parcel in parcels:
+                self.release(parcel)
+            raise
+        return parcels
 
     def release(self, parcel: Parcel, events: Iterable[Any] = ()) -> None:
         """Give back a parcel's buffers; a parcel released twice gives them back once."""

@@ -1,0 +1,413 @@
+"""``PipelineEngine``: whole batches forward and backward through the round-robin schedule.
+
+The engine owns the host store and buffer pool and the dispatch position, which carries over from
+batch to batch, and wires its collaborators: the :class:`~lightning_roundpipe.engine.crew.Crew` (the
+threads and their failures), the :class:`~lightning_roundpipe.engine.planner.AutoPlanner` (which
+plan the next batch runs), the :class:`~lightning_roundpipe.engine.steps.StepChain` (optimizer steps and
+their ordering), the :class:`~lightning_roundpipe.engine.evaluation.Evaluator` (forward-only passes) and
+the :class:`~lightning_roundpipe.engine.stats.StepStats` (what recorded batches measured). It has no
+schedule of its own: :func:`~lightning_roundpipe.schedule.build.batch_schedule` makes each batch's.
+
+Two modes. Synchronous: ``train_batch`` returns when the batch's gradients are on the host; the
+caller steps its optimizer and calls :meth:`HostStore.clear_grads`. Asynchronous: ``train_batch``
+returns as soon as the batch loss is known, the workers go straight on to the next batch (no drain),
+and :meth:`submit_step` hands the step to the host optimizer thread.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_roundpipe.engine.crew import Crew
+from lightning_roundpipe.engine.evaluation import Evaluator
+from lightning_roundpipe.engine.planner import AutoPlanner
+from lightning_roundpipe.engine.state import engine_state, load_engine_state
+from lightning_roundpipe.engine.stats import StepStats
+from lightning_roundpipe.engine.steps import StepChain, double_buffering
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.exchange import NodeExchange
+from lightning_roundpipe.runtime.flight import Flight
+from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.profile import records_complete
+from lightning_roundpipe.runtime.workers import PipelineAborted
+from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, batch_schedule
+
+
+class PipelineEngine:
+    """Forward and backward of whole batches over ``devices``, gradients accumulated in the host store.
+
+    Args:
+        layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are
+            moved into the engine's host store and become views of it.
+        devices: one :class:`WorkerDevice` per worker (the engine gives them its host pool).
+        plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`; ``"auto"`` measures the layers
+            for ``profile_steps`` batches, plans from their costs (see ``planner``) and checks the
+            stage times every ``check_every`` batches against ``replan_margin`` (see
+            :mod:`~lightning_roundpipe.engine.planner`).
+        microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
+        num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
+        compute_dtype: dtype of the parameters uploaded to workers (``None``: the master's dtype).
+        autocast_dtype: autocast dtype for the workers' compute, ``None`` for none.
+        overlap: placement of weight and gradient transfers, see
+            :mod:`lightning_roundpipe.schedule.transfers`.
+        seed: base seed of the per-layer random streams (dropout); ``None`` draws it from torch's
+            global generator, so ``seed_everything`` makes runs repeatable.
+        max_inflight: micro-batches a worker may have queued on its device beyond the one it is
+            issuing; more smooths host hiccups, each costs one micro-batch of activations.
+        asynchronous: run the optimizer on a host thread with staleness one (see the module docstring).
+        consistency: ``"layerwise"`` (per-group gates, no barrier) or ``"barrier"``: each step drains
+            the pipeline and casts the previous update into the compute copies on the calling thread
+            (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
+        memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
+        double_buffer: asynchronous mode: a second compute copy of trainable groups, so update ``k``
+            is cast as soon as its math is done instead of after step ``k + 1``'s last upload of the
+            group (docs/perf-notes.md). ``"all"`` (or ``True``): every trainable group (+2 bytes per
+            trainable parameter in bf16); ``"first"``: the groups the plan's first slot reads (grown
+            when the plan changes, never shrunk); ``"none"`` (or ``False``).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        devices: Sequence[WorkerDevice],
+        plan: StagePlan | str | None = None,
+        microbatches_per_round: int | None = None,
+        num_rounds: int = 1,
+        compute_dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        overlap: Overlap = "priority",
+        seed: int | None = None,
+        max_inflight: int = 3,
+        asynchronous: bool = False,
+        consistency: str = "layerwise",
+        profile_steps: int = 2,
+        replan_margin: float = 0.25,
+        check_every: int = 50,
+        planner: str = "fastest",
+        memory_limit: float | None = None,
+        double_buffer: bool | str = False,
+    ) -> None:
+        self.layers, self.devices = list(layers), list(devices)
+        self.num_workers = len(self.devices)
+        self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
+        self.num_rounds, self.overlap, self.asynchronous = num_rounds, overlap, asynchronous
+        self.consistency = consistency
+        buffers = double_buffering(double_buffer)
+        _check_arguments(self, buffers)
+        self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
+        self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
+        self.planner = AutoPlanner(
+            plan, len(self.layers), self.num_workers, self.microbatches_per_round, num_rounds, asynchronous,
+            self.pool, profile_steps, replan_margin, check_every, planner, memory_limit,
+        )  # fmt: skip
+        self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        self.crew = Crew(
+            self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
+            max_inflight, asynchronous,
+        )  # fmt: skip
+        self.steps = StepChain(self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, buffers)
+        self.crew.when_aborted(self.steps.open_gates)
+        self._pin_host_buffers(buffers)
+        self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, overlap)
+        self.stats = StepStats(self.num_workers)
+        self.dispatch_position = 0
+        """Worker the next batch's first slot goes to."""
+        self.calls = 0
+        """Batches run so far; part of every layer's random seed."""
+        self.trace: list[tuple[Any, ...]] | None = None
+        self._schedules: dict[tuple[StagePlan, int], Schedule] = {}
+        self._recording: list[Flight] = []
+        self._closed = False
+        self._warned_empty = False
+
+    def _pin_host_buffers(self, double_buffer: str) -> None:
+        """Page-lock the weights, first gradient writes and spare copies that travel by DMA."""
+        spares = []
+        if double_buffer == "all":
+            spares = self.store.add_spares()
+        elif double_buffer == "first":
+            spares = self.store.add_spares(self.steps.slot_groups(self.plan)[0])  # no batch yet: any time is right
+        for group in self.store.groups:
+            self.pool.register(group.compute)
+            if group.grad is not None:
+                self.pool.register(group.grad)  # first gradient writes land here by DMA
+        for spare in spares:
+            self.pool.register(spare)
+
+    @property
+    def plan(self) -> StagePlan:
+        """The plan the next batch runs (see :attr:`planner`)."""
+        return self.planner.plan
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches_per_round * self.num_rounds
+
+    def use_exchange(self, exchange: NodeExchange) -> None:
+        """Data parallelism across nodes, asynchronous mode: the optimizer thread sends each gradient group
+        to the node that owns it once complete, updates the groups this node owns and broadcasts them
+        (overlapping the rest of the backward and the next step)."""
+        if self.crew.optimizer is None:
+            raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
+        self.crew.optimizer.exchange = exchange
+
+    def record_trace(self) -> list[tuple[Any, ...]]:
+        """Start recording when each action and each group update started (for tests and timelines)."""
+        self.trace = []
+        self.crew.set_trace(self.trace)
+        return self.trace
+
+    def schedule(self, first_worker: int) -> Schedule:
+        """The validated schedule of a batch starting at ``first_worker`` under the current plan."""
+        key = (self.plan, first_worker)
+        if key not in self._schedules:
+            self._schedules[key] = batch_schedule(
+                self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker, self.overlap
+            )
+        return self._schedules[key]
+
+    def set_plan(self, plan: StagePlan) -> None:
+        """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
+        self.planner.set_plan(plan, self.calls)
+        self.stats.new_plan()  # another first slot
+        self.planner.predict(self.stats.handoff)
+
+    # ------------------------------------------------------------------ one batch
+    def train_batch(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], Tensor],
+        reduction: Reduction = "mean",
+        grad_scale: float = 1.0,
+        last_of_step: bool = False,
+    ) -> Tensor:
+        """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
+        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch.
+
+        ``last_of_step`` (asynchronous mode): the caller promises that no further batch joins this
+        optimizer step before :meth:`submit_step`. The step's batches are then known at once, and the
+        previous update may be cast into each weight this step no longer uploads, during the step,
+        instead of after it (edge 1 of :mod:`~lightning_roundpipe.runtime.optimizer_worker`). With one
+        compute copy and a plan whose uploads all come early (one worker) that takes the cast off the
+        critical path between steps. A batch after a promised last one is refused before it runs."""
+        self._check_usable()
+        self.steps.check_open()
+        how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
+        mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
+        weights = microbatch_weights(mb_targets, mb_inputs, reduction)
+        if not any(weights) and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                "a batch has nothing to average the loss over (the reduction counted 0 items); its loss is 0"
+                " and it adds no gradient. Plain PyTorch would give NaN here.",
+                stacklevel=2,
+            )
+        # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
+        staged = self.pool.stage_all([*mb_targets, *mb_inputs])
+        flight = self._flight(staged[: len(mb_targets)], staged[len(mb_targets) :], weights, loss_fn, grad_scale)
+        tasks = self.crew.launch(flight, settle=not self.asynchronous)
+        self.dispatch_position = flight.schedule.next_first_worker
+        self.calls += 1
+        if self.asynchronous:
+            self.steps.joined(flight, last_of_step)
+            try:
+                loss = flight.wait_losses()
+            except PipelineAborted:
+                self.crew.fail()
+            self.crew.prune()
+            self.stats.returned()
+            return loss
+        self.crew.settle(tasks, lambda: self._recover(flight))
+        self._harvest(wait=True)
+        loss = flight.batch_loss()
+        self.stats.returned()
+        return loss
+
+    def _flight(
+        self,
+        targets: list[Parcel],
+        inputs: list[Parcel],
+        weights: list[float],
+        loss_fn: Callable[[Any, Any], Tensor],
+        grad_scale: float,
+    ) -> Flight:
+        """The next batch's flight, its inputs posted; the staged parcels are its own from here on."""
+        flight = None
+        try:  # until the flight owns the staged parcels, a failure (or Ctrl-C) gives them back here
+            if not self.asynchronous:
+                self.store.sync_compute()
+            self.stats.submitted(self.calls)
+            self._harvest()
+            schedule = self.schedule(self.dispatch_position)
+            self.steps.spare_first_slot(schedule.plan)
+            record = self.planner.records(self.calls)
+            flight = self.steps.flight(
+                self.calls, schedule, targets, weights, grad_scale=grad_scale, loss_fn=loss_fn, record=record,
+                measure_memory=record and self.planner.measuring,
+            )  # fmt: skip
+            if record:
+                self._recording.append(flight)
+            for m, parcel in enumerate(inputs):
+                flight.put(("act", 0, m), parcel)
+        except BaseException:
+            for parcel in (*targets, *inputs):
+                self.pool.release(parcel)  # a parcel the flight already gave back holds no buffers
+            if flight is not None:  # built, never dispatched: its gates in the gradient chain would never open
+                if flight in self._recording:
+                    self._recording.remove(flight)
+                if not self.asynchronous:
+                    self._recover(flight)
+                else:
+                    self.crew.failed = True
+            raise
+        return flight
+
+    def _harvest(self, wait: bool = False) -> None:
+        """Use the timings of recorded batches whose work is done (``wait``: wait for them)."""
+        pending = []
+        for flight in self._recording:
+            if not self.crew.finished(flight) or not (wait or records_complete(flight)):
+                pending.append(flight)
+                continue
+            if wait:
+                self.crew.synchronize()
+            if self.stats.use(flight, self.plan):
+                self.planner.predict(self.stats.handoff)
+            new_plan = self.planner.use(flight, self.store)
+            if new_plan is not None:
+                self.set_plan(new_plan)
+        self._recording = pending
+
+    # ------------------------------------------------------------------ steps, evaluation, checkpoints
+    def submit_step(self, spec: UpdateSpec) -> None:
+        """Hand the current step's update to the optimizer worker and start the next step."""
+        if not self.asynchronous:
+            raise RuntimeError("submit_step needs an engine built with asynchronous=True")
+        self._check_usable()
+        if self.consistency == "barrier" and self.steps.windows[self.steps.step].flights:
+            self.flush()  # drain, then cast the previous update here, all groups at once
+            self.steps.cast_previous_here()
+        self.steps.submit(spec, cast=self.consistency == "layerwise")
+
+    def flush(self) -> None:
+        """Wait until every batch's gradients are collected and every submitted update reached the
+        masters (checkpoints, validation and teardown need this). Casts for the next step may remain."""
+        self.crew.wait_live()
+        self.crew.drain()
+        if self.crew.optimizer is not None:
+            self.crew.optimizer.wait_math()
+        self.crew.prune()
+        if self.crew.error is not None:
+            self.crew.fail()
+        self._harvest(wait=True)
+
+    def begin_evaluation(self) -> None:
+        """Make the compute copies hold the masters for forward-only passes (see :meth:`Evaluator.begin`)."""
+        self._check_usable()
+        self.flush()
+        self.stats.skip_turn()  # the host's turn between batches must not count this pass
+        self.evaluator.begin()
+
+    def end_evaluation(self) -> None:
+        """Put back the compute copies :meth:`begin_evaluation` set aside."""
+        self.evaluator.end()
+
+    def evaluate(
+        self,
+        inputs: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        reduction: Reduction = "mean",
+    ) -> Any:
+        """Forward only, through the pipeline: the batch loss (as ``loss_fn`` on the whole batch) or, with
+        ``loss_fn=None``, the model's output with the micro-batches concatenated along dim 0.
+
+        Nothing is kept for a backward pass and no gradient is touched; the training counters, seeds
+        and dispatch position are left as they were. Wrap calls in :meth:`begin_evaluation` and
+        :meth:`end_evaluation` (the strategy does) so the weights evaluated are the masters'.
+        """
+        self._check_usable()
+        return self.evaluator.run(
+            inputs, target, loss_fn, reduction, self.plan, self.dispatch_position, self.microbatches_per_round,
+            self.num_rounds,
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming exactly needs besides the weights and the optimizer's state
+        (:mod:`~lightning_roundpipe.engine.state`)."""
+        self.flush()
+        self.steps.settle_early_casts()
+        return engine_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where :meth:`state_dict` left off; call on a new engine, before its first batch,
+        after the masters (the module's parameters) were loaded."""
+        if self.calls or self.crew.busy():
+            raise RuntimeError("load the roundpipe engine state before the first batch")
+        load_engine_state(self, state)
+
+    # ------------------------------------------------------------------ failures and close-down
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
+        if self.crew.failed:
+            raise RuntimeError("this roundpipe engine stopped after an error in a worker; set up a new one")
+        if self.asynchronous and self.crew.error is not None:
+            self.crew.fail()
+
+    def _recover(self, flight: Flight) -> None:
+        """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
+        and the host buffers it still holds, and be ready again. Host weights are never written by
+        workers, so they are intact."""
+        flight.release_all()
+        self.steps.grad_chain.clear()
+        self.store.clear_grads()
+        self.crew.reset()
+
+    def close(self) -> None:
+        """Finish pending updates, stop every thread and unpin host memory; idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.asynchronous and not self.crew.failed and self.crew.error is None:
+                self.flush()
+                self.steps.windows[self.steps.step].closed.set()  # no more batches: pending casts may proceed
+                assert self.crew.optimizer is not None
+                self.crew.optimizer.wait_all(timeout=60.0)
+        finally:
+            self._closed = True
+            stuck = self.crew.close()
+            if stuck:
+                warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
+            else:
+                self.pool.close()
+
+
+def _check_arguments(engine: PipelineEngine, double_buffer: str) -> None:
+    """Refuse arguments the engine cannot run with, before anything is allocated."""
+    if not engine.layers:
+        raise ValueError("the model has no layers to pipeline: pass a non-empty nn.Sequential")
+    if not engine.devices:
+        raise ValueError("the engine needs at least one worker device")
+    if engine.overlap not in OVERLAPS:
+        raise ValueError(f"overlap={engine.overlap!r} is not one of {OVERLAPS}")
+    if engine.microbatches_per_round < engine.num_workers:
+        raise ValueError(
+            f"num_microbatches={engine.microbatches_per_round} per round is fewer than the {engine.num_workers}"
+            f" workers: each worker would idle. Use num_microbatches >= {engine.num_workers}."
+        )
+    if engine.num_rounds < 1:
+        raise ValueError(f"num_rounds must be at least 1, got {engine.num_rounds}")
+    if engine.consistency not in ("layerwise", "barrier"):
+        raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
+    if double_buffer != "none" and not engine.asynchronous:
+        raise ValueError(f"double_buffer={double_buffer!r} is for the asynchronous optimizer (asynchronous=True)")

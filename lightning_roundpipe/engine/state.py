@@ -1,0 +1,75 @@
+"""The engine's part of a checkpoint: what resuming exactly needs besides the weights and the optimizer.
+
+That is the batch and step counters (part of every random seed), the dispatch position, the plan and
+the costs it came from with its drift bookkeeping, and, in asynchronous mode, the compute copies: the
+masters already hold the last submitted update, but the next batch must compute on the weights without
+it (staleness 1). The format is kept here only, and checkpoints of earlier releases still load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from lightning_roundpipe.runtime.profile import LayerProfile
+from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.plan import StagePlan
+
+if TYPE_CHECKING:
+    from lightning_roundpipe.engine.pipeline import PipelineEngine
+
+
+def engine_state(engine: PipelineEngine) -> dict[str, Any]:
+    """The state to save; call after a flush and once early casts settled."""
+    planner, steps = engine.planner, engine.steps
+    state: dict[str, Any] = {
+        "calls": engine.calls,
+        "step": steps.step,
+        "dispatch_position": engine.dispatch_position,
+        "base_seed": engine.base_seed,
+        "plan": str(planner.plan),
+        "layer_costs": None if planner.layer_costs is None else asdict(planner.layer_costs),
+        "drift_reference": planner.reference,
+        "drifted": planner.drifted,
+        "offset_checked": planner.offset_checked,
+        "profiling": planner.measuring,
+    }
+    if steps.asynchronous and steps.pending_casts():
+        stash = engine.evaluator.stash or {}  # saved during validation: the copies set aside are the ones
+        state["compute"] = {
+            g: (stash[g] if g in stash else engine.store.reads(g, steps.step)).clone() for g in steps.trainable
+        }
+    return state
+
+
+def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
+    """Continue where :func:`engine_state` left off, on a new engine before its first batch, after the
+    masters (the module's parameters) were loaded."""
+    engine.calls = int(state["calls"])
+    engine.dispatch_position = int(state["dispatch_position"]) % engine.crew.num_workers
+    engine.base_seed = int(state["base_seed"])
+    engine.crew.set_seed(engine.base_seed)
+    planner = engine.planner
+    if planner.auto and state.get("layer_costs") is not None:
+        planner.layer_costs = LayerCosts(**{k: tuple(v) for k, v in state["layer_costs"].items()})
+        plan = StagePlan.parse(state["plan"])
+        profiling = state.get("profiling", plan == LayerProfile.plan(planner.num_layers))  # older: by plan
+        if profiling:
+            planner.replan()  # saved while measuring again: measure anew
+        elif plan.num_layers == planner.num_layers:
+            planner.profile = None
+            engine.set_plan(plan)
+            # the plan's own timing, so that a resumed run (another machine, say) is judged against it
+            reference = state.get("drift_reference")
+            if reference is not None and len(reference) == plan.num_slots:
+                planner.reference, planner.drifted = list(reference), int(state.get("drifted", 0))
+        planner.offset_checked = bool(state.get("offset_checked", False))
+    compute = state.get("compute")
+    if compute is not None and not engine.steps.asynchronous:
+        raise ValueError(
+            "this checkpoint was saved by the asynchronous optimizer with an update pending; resume it with"
+            " RoundPipeStrategy(async_optimizer=True)"
+        )
+    if compute is not None and sorted(compute) != sorted(engine.steps.trainable):
+        raise ValueError("the checkpoint's roundpipe state does not match this model's trainable layers")
+    engine.steps.resume(int(state["step"]), compute)
