@@ -285,7 +285,7 @@ def test_padded_batches_skip_transformers_device_check_for_the_causal_shortcut(m
 def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):
     """Presets registered as ``preset(model)`` keep working; asking them to split is a clear error."""
     model = tiny("qwen3")
-    monkeypatch.setitem(hf.PRESETS, "Qwen3ForCausalLM", lambda m: hf._decoder(m))
+    monkeypatch.setitem(hf.PRESETS, "Qwen3ForCausalLM", lambda m: hf.decoder_layers(m))
     assert len(hf.build_layers(model)) == 2 + 3
     with pytest.raises(ValueError, match=r"Qwen3ForCausalLM preset cannot split.*`split` keyword"):
         hf.build_layers(model, split_decoder_layers=True)

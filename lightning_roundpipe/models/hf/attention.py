@@ -1,0 +1,64 @@
+"""Attention masks and rotary tables made per block, and the host-side check that lets them be skipped."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_roundpipe.models.hf.state import State
+
+
+def _sliding(config: Any, index: int) -> bool:
+    """Whether block ``index`` attends through a sliding window, as the config's ``layer_types`` says."""
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[index] == "sliding_attention"
+
+
+def _attention_inputs(
+    config: Any, sliding: bool, rotary_emb: nn.Module, state: State
+) -> tuple[Any, Tensor, tuple[Tensor, Tensor]]:
+    """The attention mask the implementation needs, the positions and the rotary tables, made per
+    micro-batch from the 2-D padding mask and the position ids that travel."""
+    hidden, attention_mask, position_ids, _, _ = state
+    from transformers import masking_utils
+
+    make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+    # A padding mask next to plain positions has padding in it (`plain_inputs` drops all-ones masks), so
+    # the SDPA shortcut to `is_causal` cannot apply; transformers would still test the mask for it on
+    # the device in every block, a host sync each time. Where it takes the flag, it is told not to.
+    skip = {"allow_is_causal_skip": False} if attention_mask is not None and position_ids is None else {}
+    if skip and not _takes_causal_skip_flag(make_mask):
+        skip = {}
+    # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
+    # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
+    mask = make_mask(config, hidden, attention_mask, None, position_ids=position_ids, **skip)
+    positions = position_ids
+    if positions is None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+    return mask, positions, rotary_emb(hidden, positions)
+
+
+@functools.cache
+def _takes_causal_skip_flag(make_mask: Callable[..., Any]) -> bool:
+    """Whether this transformers release's mask function has ``allow_is_causal_skip``."""
+    return "allow_is_causal_skip" in inspect.signature(make_mask).parameters
+
+
+def plain_inputs(attention_mask: Tensor | None, position_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """``None`` for a padding mask of all ones and for positions ``0..T-1`` in every row: what they mean
+    is then the causal mask alone. Decided once per batch, on the host; passed on, transformers' mask
+    functions check them on the GPU in every layer, and each check waits for the GPU (a host sync)."""
+    if position_ids is not None:
+        arange = torch.arange(position_ids.shape[-1], device=position_ids.device)
+        if bool((position_ids == arange).all()):
+            position_ids = None
+    # an all-ones mask says nothing only next to plain positions: with the mask gone, transformers would
+    # read packed positions as separate documents, which it does not do while a mask is passed
+    if position_ids is None and attention_mask is not None and attention_mask.dim() == 2 and attention_mask.all():
+        attention_mask = None
+    return attention_mask, position_ids

@@ -1,0 +1,87 @@
+"""The architecture table: which ``*ForCausalLM`` classes can be pipelined, and how each is cut into layers.
+
+Adding an architecture whose blocks have the Llama shape is one entry in ``PRESETS`` naming
+:func:`decoder_layers`; one of another shape gets a function of the model returning its stages.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from torch import nn
+
+from lightning_roundpipe.models.hf.detect import unwrap
+from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
+
+
+def decoder_layers(model: nn.Module, split: bool = False, tile_tokens: int | None = None) -> list[nn.Module]:
+    """Embedding, the decoder blocks (each as two layers when ``split``, their token-wise parts tiled
+    over ``tile_tokens`` tokens), final norm and head: Llama, Qwen3 and Qwen3-MoE share this shape."""
+    inner = model.model
+    config = model.config
+    layers = list(inner.layers[: config.num_hidden_layers])
+    experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "output_router_logits", False) else 0
+    stages: list[nn.Module] = [InputStage(inner.embed_tokens, experts)]
+    for i, layer in enumerate(layers):
+        if split:
+            stages += [
+                AttentionStage(layer, inner.rotary_emb, config, i, tile_tokens),
+                MlpStage(layer, config, tile_tokens),
+            ]
+        else:
+            stages.append(DecoderStage(layer, inner.rotary_emb, config, i))
+    aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0)) if experts else 0.0
+    stages.append(OutputStage(inner.norm, model.lm_head, aux_coef=aux_coef))
+    return stages
+
+
+PRESETS: dict[str, Callable[..., list[nn.Module]]] = {
+    "LlamaForCausalLM": decoder_layers,
+    "Qwen3ForCausalLM": decoder_layers,
+    "Qwen3MoeForCausalLM": decoder_layers,
+}
+"""Architecture (class name) to the function building its layer sequence: ``preset(model)``; a preset
+that can split each decoder block into an attention layer and an MLP layer also takes ``split=True``."""
+
+
+def build_layers(
+    model: nn.Module, split_decoder_layers: bool = False, tile_tokens: int | None = None
+) -> list[nn.Module]:
+    """The layer sequence for a supported Hugging Face causal LM; a clear error otherwise.
+
+    ``split_decoder_layers``: each decoder block becomes two layers, attention and MLP, with the same
+    arithmetic. A stage can then end inside a block: one stage's activations are about half a block's
+    (what bounds the longest sequence), and stages balance at a finer grain. ``tile_tokens`` (with
+    the split): the token-wise parts of each layer (the MLP with its norm, the attention's input norm)
+    run over at most that many tokens at a time and keep only their inputs
+    (:mod:`~lightning_roundpipe.models.tiling`)."""
+    if tile_tokens is not None:
+        if not split_decoder_layers:
+            raise ValueError(
+                f"tile_tokens={tile_tokens} tiles the attention and MLP layers that split_decoder_layers=True"
+                " makes; pass both"
+            )
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
+    hf = unwrap(model)
+    name = type(hf).__name__
+    if name not in PRESETS:
+        raise ValueError(
+            f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. Add one to"
+            " `lightning_roundpipe.models.hf.PRESETS` (a function of the model returning its layers as modules), or"
+            " keep the model as an `nn.Sequential` and train it with `lightning_roundpipe.pipeline_loss`."
+        )
+    preset = PRESETS[name]
+    if not split_decoder_layers:
+        return preset(hf)
+    if "split" not in inspect.signature(preset).parameters:
+        raise ValueError(
+            f"the {name} preset cannot split decoder layers (its function takes no `split` argument); use"
+            " RoundPipeStrategy(split_decoder_layers=False) or give the preset a `split` keyword"
+        )
+    if tile_tokens is None:
+        return preset(hf, split=True)
+    if "tile_tokens" not in inspect.signature(preset).parameters:
+        raise ValueError(f"the {name} preset cannot tile its layers (its function takes no `tile_tokens`)")
+    return preset(hf, split=True, tile_tokens=tile_tokens)

@@ -1,0 +1,48 @@
+"""Mixture-of-experts router logits, summed layer by layer into what the load-balancing loss needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class _RouterLogits(list):
+    """Collects the router's logits while the block runs (nothing when there is no router)."""
+
+    def __init__(self, router: nn.Module | None) -> None:
+        super().__init__()
+        self.router = router
+        self.handle: Any = None
+
+    def __enter__(self) -> _RouterLogits:
+        if self.router is not None:
+            self.handle = self.router.register_forward_hook(
+                lambda _m, _i, out: self.append(out[0] if isinstance(out, tuple) else out)
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _router_of(mlp: nn.Module | None) -> nn.Module | None:
+    """The module whose output is the block's router logits (``mlp.gate`` of a sparse block), if any."""
+    return getattr(mlp, "gate", None) if mlp is not None and hasattr(mlp, "experts") else None
+
+
+def _add_router_sums(
+    sums: tuple[Tensor, Tensor, Tensor], logits: Tensor, attention_mask: Tensor | None, top_k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's share of the load-balancing loss, as transformers' ``load_balancing_loss_func`` sums it."""
+    per_expert, probs_sum, rows = sums
+    probs = torch.softmax(logits.float(), dim=-1)
+    selected = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+    if attention_mask is None:
+        weight = torch.ones(probs.shape[0], dtype=torch.float32, device=probs.device)
+    else:
+        weight = attention_mask.reshape(-1).to(torch.float32)
+    counts = torch.zeros_like(per_expert).scatter_add_(0, selected, weight.repeat_interleave(top_k))
+    return per_expert + counts, probs_sum + (probs * weight[:, None]).sum(0), rows + weight.sum()
