@@ -18,6 +18,7 @@ from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime import executor as executor_module
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
+from lightning_roundpipe.runtime import uploads as uploads_module
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
@@ -481,14 +482,14 @@ def test_a_late_upload_of_an_earlier_slot_holds_back_the_cast(monkeypatch, last_
     before an earlier slot's (its forward stage, on another worker). Delay the forward stage's last
     upload part: the cast of the previous update must still wait for it, or the forward would compute
     with weights one update too new."""
-    load = executor_module.StageExecutor._load
+    load = uploads_module.WeightUploads.load
 
     def late(self, stage, action, flight):
         if flight.step >= 1 and action.round == 1 and action.slot == 2 and action.is_last_part:
             time.sleep(0.2)
         return load(self, stage, action, flight)
 
-    monkeypatch.setattr(executor_module.StageExecutor, "_load", late)
+    monkeypatch.setattr(uploads_module.WeightUploads, "load", late)
     model = mlp()
     data = batches(4, 2)
     want = staleness_one_reference(model, data)

@@ -374,11 +374,11 @@ def test_engine_runs_each_slot_on_the_round_robin_worker_across_rounds_and_steps
 
 def test_gradient_dtype_conversion_in_small_chunks_gives_the_same_result(monkeypatch):
     """bf16 device gradients go into the fp32 host buffer in bounded chunks; chunk size must not matter."""
-    from lightning_roundpipe.runtime.executor import StageExecutor
+    from lightning_roundpipe.runtime.unloads import GradientUnloads
 
     results = []
     for chunk in (1 << 24, 7):
-        monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", chunk)
+        monkeypatch.setattr(GradientUnloads, "_CONVERT_CHUNK", chunk)
         model = mlp()
         engine = engine_for(
             model, 2, microbatches_per_round=2, compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16
@@ -399,16 +399,17 @@ def test_tail_gradients_summed_on_the_device_equal_the_collectors_sums(monkeypat
     goes up, the sum comes down): bit-identical to the collector's host add, over tied weights, rounds,
     accumulation over batches and bf16 device gradients, and equal to plain autograd."""
     from lightning_roundpipe.runtime.executor import StageExecutor
+    from lightning_roundpipe.runtime.unloads import GradientUnloads
 
-    monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", chunk)
+    monkeypatch.setattr(GradientUnloads, "_CONVERT_CHUNK", chunk)
     summed = []
-    original = StageExecutor._add_on_device
+    original = GradientUnloads._add_on_device
 
     def spy(self, source, host, start, stop):
         summed.append(stop - start)
         original(self, source, host, start, stop)
 
-    monkeypatch.setattr(StageExecutor, "_add_on_device", spy)
+    monkeypatch.setattr(GradientUnloads, "_add_on_device", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     model[4].weight = nn.Parameter(model[0].weight[:3].clone())
@@ -442,7 +443,7 @@ def test_tail_gradients_summed_on_the_device_equal_the_collectors_sums(monkeypat
 
 
 def test_tail_slot_is_the_last_gradient_unload_with_no_compute_after_it():
-    from lightning_roundpipe.runtime.executor import tail_slot
+    from lightning_roundpipe.runtime.unloads import tail_slot
     from lightning_roundpipe.schedule.dispatch import round_robin
     from lightning_roundpipe.schedule.transfers import add_transfers
 

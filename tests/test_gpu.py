@@ -122,8 +122,9 @@ def test_tail_summed_on_the_device_is_bit_identical_to_the_host_add(monkeypatch)
     early if the streams were misordered). Batch by batch, and with the host gradients accumulated over
     batches, the sums equal the collector's host add bit for bit."""
     from lightning_roundpipe.runtime.executor import StageExecutor
+    from lightning_roundpipe.runtime.unloads import GradientUnloads
 
-    monkeypatch.setattr(StageExecutor, "_CONVERT_CHUNK", 1 << 18)  # many chunks per group
+    monkeypatch.setattr(GradientUnloads, "_CONVERT_CHUNK", 1 << 18)  # many chunks per group
     torch.manual_seed(0)
     vocab, hidden = 4096, 1024
     embedding = nn.Embedding(vocab, hidden)

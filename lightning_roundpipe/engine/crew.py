@@ -19,11 +19,12 @@ from torch import nn
 
 from lightning_roundpipe.runtime.collector import GradCollector
 from lightning_roundpipe.runtime.device import WorkerDevice
-from lightning_roundpipe.runtime.executor import StageExecutor, plain_attributes
+from lightning_roundpipe.runtime.executor import StageExecutor
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
+from lightning_roundpipe.runtime.replicas import plain_attributes
 from lightning_roundpipe.runtime.workers import Task, WorkerPool
 from lightning_roundpipe.schedule.plan import StagePlan
 
