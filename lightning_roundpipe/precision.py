@@ -57,6 +57,22 @@ class RoundPipePrecision(_Precision):  # type: ignore[misc,valid-type]
         """Factor the pipeline multiplies the loss by before backward (1 unless ``"16-mixed"``)."""
         return self.scaler.get_scale() if self.scaler is not None else 1.0
 
+    def check_supported(self, asynchronous: bool, num_nodes: int) -> None:
+        """Refuse what loss scaling cannot do yet: several nodes, or the asynchronous optimizer."""
+        if self.precision != "16-mixed":
+            return
+        if num_nodes > 1:
+            raise ValueError(
+                "precision='16-mixed' across nodes is not supported yet: every node would have to agree on"
+                " skipping a step. Use precision='bf16-mixed' (no loss scaling needed) with num_nodes > 1."
+            )
+        if asynchronous:
+            raise ValueError(
+                "precision='16-mixed' with the asynchronous optimizer is not supported yet: loss scaling needs"
+                " the step's overflow check before the next step starts. Use precision='bf16-mixed', or"
+                " RoundPipeStrategy(async_optimizer=False)."
+            )
+
     @override
     def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: the pipeline ran backward while ``training_step`` was running."""

@@ -311,7 +311,7 @@ def test_hf_decoder_stage_runs_without_host_syncs(split, padded):
 
 
 def test_gpu_memory_limit_in_bytes_or_as_a_share_of_the_device():
-    from lightning_roundpipe.strategy import device_memory_limit, parse_memory
+    from lightning_roundpipe.options import device_memory_limit, parse_memory
 
     cuda = [torch.device("cuda", 0)]
     total = torch.cuda.get_device_properties(0).total_memory

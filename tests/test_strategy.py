@@ -112,7 +112,7 @@ def test_unsupported_settings_say_what_to_change():
         RoundPipeStrategy(timeout="1h")
     with pytest.raises(ValueError, match="must be positive"):
         RoundPipeStrategy(timeout=0)
-    assert RoundPipeStrategy(timeout=90).timeout.total_seconds() == 90
+    assert RoundPipeStrategy(timeout=90).options.timeout.total_seconds() == 90
 
 
 def test_model_without_a_sequential_is_refused():
@@ -230,11 +230,11 @@ def test_pytorch_lightning_twin():
 
 
 def test_gpu_memory_option_reads_fractions_bytes_and_sizes():
-    from lightning_roundpipe.strategy import device_memory_limit, parse_memory
+    from lightning_roundpipe.options import device_memory_limit, parse_memory
 
-    assert RoundPipeStrategy(gpu_memory="24GiB").gpu_memory == 24 * 2**30
-    assert RoundPipeStrategy(gpu_memory="20 GB").gpu_memory == 20e9
-    assert RoundPipeStrategy(gpu_memory=0.5).gpu_memory == 0.5
+    assert RoundPipeStrategy(gpu_memory="24GiB").options.gpu_memory == 24 * 2**30
+    assert RoundPipeStrategy(gpu_memory="20 GB").options.gpu_memory == 20e9
+    assert RoundPipeStrategy(gpu_memory=0.5).options.gpu_memory == 0.5
     assert parse_memory("0.6") == 0.6 and parse_memory(2**30) == 2**30
     for bad in ("lots", "24 GiBs", 0, -1.0, "0.5B"):
         with pytest.raises(ValueError, match="gpu_memory"):

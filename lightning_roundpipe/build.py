@@ -1,0 +1,65 @@
+"""Building the engine the strategy asked for: the host-memory check, the worker devices, the engine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
+from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
+from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
+
+
+def worker_devices(devices: list[torch.device]) -> list[WorkerDevice]:
+    """One worker per device Lightning gave the strategy: CUDA devices, or CPU threads standing in."""
+    workers: list[WorkerDevice] = []
+    for index, device in enumerate(devices):
+        if device.type == "cuda":
+            workers.append(CudaWorkerDevice(device, index))
+        elif device.type == "cpu":
+            workers.append(WorkerDevice(device, index))
+        else:
+            raise ValueError(
+                f"roundpipe workers run on CUDA devices or CPU threads, not {device.type!r}: use"
+                " `accelerator='gpu'` or `accelerator='cpu'`."
+            )
+    return workers
+
+
+def build_engine(
+    layers: list[nn.Module],
+    devices: list[torch.device],
+    options: RoundPipeOptions,
+    compute_dtype: torch.dtype | None,
+    asynchronous: bool,
+    training: bool,
+    num_nodes: int = 1,
+) -> PipelineEngine:
+    """The engine over ``layers``, after refusing (with the table) a run the host could not hold; without
+    ``training`` (validate, test, predict) it only runs forward passes and has no optimizer thread."""
+    params = [p for layer in layers for p in layer.parameters()]
+    state_bytes = 8.0 / num_nodes if training else 0.0  # AdamW's two fp32 moments, sharded over nodes
+    estimate = estimate_host_memory(
+        params, compute_dtype, asynchronous, state_bytes, double_buffer=options.double_buffer
+    )
+    if options.host_memory_check:
+        check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
+    workers = worker_devices(devices)
+    return PipelineEngine(
+        layers,
+        workers,
+        plan=options.plan,
+        microbatches_per_round=options.num_microbatches,
+        num_rounds=options.num_rounds,
+        overlap=options.overlap,
+        compute_dtype=compute_dtype,
+        autocast_dtype=compute_dtype,
+        asynchronous=asynchronous,
+        profile_steps=options.profile_steps,
+        planner=options.planner,
+        check_every=options.check_every,
+        replan_margin=options.replan_margin,
+        memory_limit=device_memory_limit(devices, float(options.gpu_memory)),
+        double_buffer=options.double_buffer if asynchronous else "none",
+    )

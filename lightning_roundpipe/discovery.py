@@ -1,0 +1,98 @@
+"""What to pipeline in a LightningModule: a Hugging Face causal LM (through its preset) or the
+``nn.Sequential`` that holds every trainable parameter, with a clear error for anything else."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass
+class Pipelined:
+    """The layers the engine runs, and the module whose calls are routed to it."""
+
+    layers: list[nn.Module]
+    hf_model: nn.Module | None = None
+    """The Hugging Face model (or ``peft`` wrapper) whose ``forward`` is intercepted, if any."""
+    sequential: nn.Sequential | None = None
+    """Otherwise the ``nn.Sequential`` that ``pipeline_loss`` is called on."""
+
+
+def pipelined_layers(module: nn.Module, split_decoder_layers: bool, tile_tokens: int | None) -> Pipelined:
+    """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach."""
+    hf_model = find_hf_model(module)
+    if hf_model is not None:
+        from lightning_roundpipe.models import hf
+
+        layers = hf.build_layers(hf_model, split_decoder_layers, tile_tokens)
+        check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
+        return Pipelined(layers, hf_model=hf_model)
+    if split_decoder_layers:
+        from lightning_roundpipe.models.hf import PRESETS
+
+        raise ValueError(
+            "RoundPipeStrategy(split_decoder_layers=True) splits the decoder blocks of a Hugging Face model"
+            f" (presets: {sorted(PRESETS)}); an nn.Sequential is pipelined layer by layer as given,"
+            " so split its blocks into separate children instead"
+        )
+    sequential = find_pipelined_module(module)
+    return Pipelined(list(sequential.children()), sequential=sequential)
+
+
+def find_hf_model(module: nn.Module) -> nn.Module | None:
+    """The outermost Hugging Face model (or ``peft`` wrapper of one) inside ``module``, if any.
+
+    Looked for only when ``transformers`` was imported: a model cannot be one otherwise.
+    """
+    if "transformers" not in sys.modules:
+        return None
+    from lightning_roundpipe.models import hf
+
+    for _, child in module.named_modules():
+        if hf.is_hf_model(child):
+            return child
+    return None
+
+
+def check_covers_trainable(module: nn.Module, layers: list[nn.Module], what: str) -> None:
+    """Refuse trainable parameters outside the pipelined layers: no gradient would ever reach them."""
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"these trainable parameters of {type(module).__name__} are not in {what}: {outside[:8]}"
+            f"{' ...' if len(outside) > 8 else ''}. They would never be trained: freeze them, or move them into"
+            " the pipelined model."
+        )
+
+
+def find_pipelined_module(module: nn.Module) -> nn.Sequential:
+    """The ``nn.Sequential`` that holds every trainable parameter of ``module`` (the outermost one)."""
+    compiled = [name or "<root>" for name, m in module.named_modules() if type(m).__name__ == "OptimizedModule"]
+    if compiled:
+        raise ValueError(
+            f"roundpipe cannot pipeline a `torch.compile`d module ({', '.join(compiled[:4])}): it runs each layer"
+            " of the `nn.Sequential` on its own worker, with weights streamed in per stage. Remove"
+            " `torch.compile` around the model."
+        )
+    trainable = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+    sequentials = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Sequential)]
+    for _, seq in sequentials:
+        inside = {id(p) for p in seq.parameters()}
+        if trainable.keys() <= inside and len(seq) > 0:
+            return seq
+    if not sequentials:
+        raise ValueError(
+            f"roundpipe pipelines an `nn.Sequential` whose children are the layers, but {type(module).__name__}"
+            " holds none. Keep the model as `self.model = nn.Sequential(...)` and return"
+            " `lightning_roundpipe.pipeline_loss(self.model, inputs, target, loss_fn)` from `training_step`."
+        )
+    best_name, best = max(sequentials, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    outside = [name for pid, name in trainable.items() if pid not in {id(p) for p in best.parameters()}]
+    raise ValueError(
+        f"roundpipe pipelines one `nn.Sequential` holding every trainable parameter, but these trainable"
+        f" parameters of {type(module).__name__} are outside `{best_name or '<root>'}`: {outside[:8]}"
+        f"{' ...' if len(outside) > 8 else ''}. Move them into a layer of the Sequential, or freeze them."
+    )

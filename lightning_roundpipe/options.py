@@ -1,0 +1,177 @@
+"""What ``RoundPipeStrategy`` was asked for: every option documented, checked once when the strategy is made.
+
+Every message quotes the user's own call (``RoundPipeStrategy(...)``) and says what would be valid.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch.distributed.constants import default_pg_timeout
+
+from lightning_roundpipe.engine import double_buffering
+from lightning_roundpipe.schedule.choose import PLANNERS
+from lightning_roundpipe.schedule.plan import StagePlan
+from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
+
+
+@dataclass(kw_only=True)
+class RoundPipeOptions:
+    """The arguments of :class:`~lightning_roundpipe.RoundPipeStrategy`, validated and normalised:
+    ``gpu_memory`` in bytes or a fraction, ``double_buffer`` one of the engine's names, ``timeout`` a
+    ``timedelta``, ``plan`` parsed."""
+
+    num_microbatches: int | None = None
+    """Micro-batches per round (``M_R``), at least the number of devices: each device runs all of them for
+    its stage before the next stage goes to the next device. ``None``: devices + 1."""
+    num_rounds: int = 1
+    """Rounds per training batch, which is split into ``num_microbatches * num_rounds`` micro-batches
+    along dim 0."""
+    plan: StagePlan | str | None = "auto"
+    """``"auto"``: the first ``profile_steps`` batches run one layer per stage and measure each layer's
+    times and memory, the partitioner picks the plan, and stage times are checked now and then (the
+    layers measured again when they drift). Or a :class:`StagePlan` or its printed form ``"3,3|1,2,2,2"``
+    (forward stage sizes | backward stage sizes, the first backward stage being the fused one); ``None``
+    uses ``StagePlan.uniform``."""
+    profile_steps: int = 2
+    """Batches measured before the automatic plan is made (on CUDA they reset ``torch.cuda``'s peak
+    memory statistics per layer)."""
+    planner: str = "fastest"
+    """``"fastest"``: of the plans near the partitioner's optimum, the one the pipeline simulator finds
+    fastest (1.10x the optimum's own plan on 2 H200s); ``"objective"``: the optimum of the paper's
+    objective."""
+    check_every: int = 50
+    """With ``plan="auto"``, check the stage times every this many batches (0: never)."""
+    replan_margin: float = 0.25
+    """A check that finds a stage moved by more than this fraction of the slowest stage's time, twice in
+    a row, measures the layers again and re-plans."""
+    overlap: Overlap = "priority"
+    """Weight uploads and gradient downloads: ``"priority"`` (cut into parts issued between activation
+    copies), ``"simple"`` (one piece, prefetched a stage ahead) or ``"none"`` (no overlap; for
+    comparison)."""
+    gpu_memory: float | str = 0.8
+    """What the automatic plan may use per device: a fraction of its memory (a cap set with
+    ``torch.cuda.set_per_process_memory_fraction`` is honoured), bytes (``24 * 2**30``) or a string such
+    as ``"24GiB"``/``"20GB"``. With room to spare the partitioner fuses more layers into the fused stage,
+    which recomputes nothing but keeps their activations: lower this to trade speed for memory."""
+    async_optimizer: bool = True
+    """Apply each optimizer step on a host thread while the devices compute the next one, with gradients
+    exactly one step stale (the fast mode). ``False`` gives the numerics of plain training. In the
+    asynchronous mode gradient clipping runs on the optimizer thread, the LR and other hyper-parameters
+    are those in effect when the step is submitted, and ``p.grad`` is not available in
+    ``on_after_backward`` / ``on_before_optimizer_step``."""
+    double_buffer: bool | str = False
+    """With ``async_optimizer``, a second host compute copy of trainable weights, so each update is cast
+    into the copy the step after next reads as soon as it is computed. Without it the next step's first
+    stage waits for the cast of its weights, which the current step's last backward stage reads until
+    the end: 12-18% of a step measured on 2 GPUs (docs/perf-notes.md). ``"all"`` or ``True``: every
+    trainable weight (+2 bytes per trainable parameter in bf16); ``"first"``: only those of the plan's
+    first stage; ``False``."""
+    host_memory_check: bool = True
+    """Before building the engine, estimate the host memory the run needs (model states with AdamW-sized
+    optimizer states, :func:`~lightning_roundpipe.estimate_host_memory`) and refuse with the table if it
+    exceeds what is available. ``False`` skips the check (an optimizer with smaller states, memory about
+    to be freed)."""
+    split_decoder_layers: bool = False
+    """A Hugging Face model's decoder blocks become two pipeline layers each, attention and MLP (same
+    arithmetic). One stage then holds about half a block's activations, so longer sequences fit, and the
+    partitioner balances stages at a finer grain. Costs a stage boundary (the hidden states, host round
+    trip included) per block."""
+    tile_tokens: int | None = None
+    """With ``split_decoder_layers``, the token-wise parts of each layer (the MLP with its norm, the
+    attention's input norm) run over at most this many tokens at a time and keep only their inputs for
+    backward; a backward stage recomputes them tile by tile (one more forward of them per backward), so
+    one tile's intermediates bound their memory instead of the whole sequence's. For sequences too long
+    for one layer's activations (e.g. 16384)."""
+    evaluate_hf_in_pipeline: bool = True
+    """``self.model(**batch)`` of a Hugging Face model in ``validation_step`` / ``test_step`` with labels
+    runs forward-only through the pipeline and returns the loss only (``logits`` is ``None``: never
+    materialised). ``False`` runs the model's own forward on the host weights instead, with logits (slow
+    for large models)."""
+    timeout: timedelta | float = default_pg_timeout
+    """With ``num_nodes > 1``, how long a collective between nodes may wait for the others before it
+    fails (a ``timedelta`` or seconds; as for ``DDPStrategy``, default 30 minutes). A node that hangs
+    then stops the others with an error instead of holding them forever. It also bounds start-up: nodes
+    launched further apart than this fail to connect."""
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches is not None and self.num_microbatches < 1:
+            raise ValueError(f"RoundPipeStrategy(num_microbatches={self.num_microbatches}) must be at least 1")
+        if self.num_rounds < 1:
+            raise ValueError(f"RoundPipeStrategy(num_rounds={self.num_rounds}) must be at least 1")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"RoundPipeStrategy(overlap={self.overlap!r}) must be one of {OVERLAPS}")
+        if self.tile_tokens is not None and (not self.split_decoder_layers or self.tile_tokens < 1):
+            raise ValueError(
+                f"RoundPipeStrategy(tile_tokens={self.tile_tokens}) tiles the layers of split_decoder_layers=True"
+                " over a positive number of tokens"
+            )
+        self.gpu_memory = parse_memory(self.gpu_memory)
+        given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)
+        if self.double_buffer != "none" and not self.async_optimizer:
+            raise ValueError(
+                f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
+                " weight casts; it needs async_optimizer=True"
+            )
+        self.timeout = _timeout(self.timeout)
+        if isinstance(self.plan, str) and self.plan != "auto":
+            self.plan = StagePlan.parse(self.plan)
+        if self.profile_steps < 1:
+            raise ValueError(f"RoundPipeStrategy(profile_steps={self.profile_steps}) must be at least 1")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"RoundPipeStrategy(planner={self.planner!r}) must be one of {PLANNERS}")
+        if self.check_every < 0 or self.replan_margin <= 0:
+            raise ValueError(
+                f"RoundPipeStrategy(check_every={self.check_every}, replan_margin={self.replan_margin}):"
+                " check_every must be at least 0 and replan_margin above 0"
+            )
+
+
+def _timeout(timeout: timedelta | float) -> timedelta:
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"RoundPipeStrategy(timeout={timeout!r}) takes a datetime.timedelta or a number of seconds")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"RoundPipeStrategy(timeout={timeout}) must be positive")
+    return timeout
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_memory(value: float | str) -> float:
+    """A fraction in (0, 1], or bytes (a number above 1 or a string like ``"24GiB"``), checked."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"RoundPipeStrategy(gpu_memory={value!r}): give a fraction such as 0.8, bytes, or a size"
+                " such as '24GiB' or '20GB'"
+            )
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit and number * _UNITS[unit] <= 1:
+            raise ValueError(f"RoundPipeStrategy(gpu_memory={value!r}) is not a usable size")
+        value = number * _UNITS[unit]
+    if not value > 0:
+        raise ValueError(f"RoundPipeStrategy(gpu_memory={value!r}) must be positive")
+    return float(value)
+
+
+def device_memory_limit(devices: list[torch.device], memory: float = 0.8) -> float | None:
+    """Bytes the partitioner may plan a stage for: ``memory`` bytes, or that fraction of the smallest
+    worker device (``None`` on CPU, where nothing limits a stage)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    if memory > 1:
+        return memory
+    total = min(torch.cuda.get_device_properties(d).total_memory for d in cuda)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:  # a cap set with torch.cuda.set_per_process_memory_fraction
+        total = int(total * min(get_fraction(d) for d in cuda))
+    return memory * total
