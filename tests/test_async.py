@@ -211,7 +211,7 @@ def test_random_delays_give_bit_identical_weights(monkeypatch, double_buffer, pl
 
 def traced_steps(engine: PipelineEngine, model: nn.Module, steps: int = 4) -> list:
     """Train ``steps`` asynchronous steps of one batch each with the engine's trace on; close it."""
-    trace = engine.record_trace()
+    trace = engine.crew.record_trace()
     opt = make_optimizer(model.parameters())
     try:
         for x, y in (b for [b] in batches(steps)):
@@ -432,7 +432,7 @@ def test_announced_last_batch_lets_casts_run_during_the_next_step(monkeypatch, l
         list(model.children()), [WorkerDevice("cpu", 0)], microbatches_per_round=2, asynchronous=True,
         plan=StagePlan.parse("|7"),
     )  # fmt: skip
-    trace = engine.record_trace()
+    trace = engine.crew.record_trace()
     opt = make_optimizer(model.parameters())
     returned = {}
     try:

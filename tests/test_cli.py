@@ -28,7 +28,9 @@ def test_fit_from_the_shipped_yaml(tmp_path, monkeypatch):
          *SMALL]
     )  # fmt: skip
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, RoundPipeStrategy) and strategy.options.num_microbatches == 4 and strategy.async_optimizer
+    assert (
+        isinstance(strategy, RoundPipeStrategy) and strategy.options.num_microbatches == 4 and strategy.async_optimizer
+    )
     assert cli.trainer.global_step == 6
     with open(next((tmp_path / "runs/finetune_lm/csv").glob("version_*/metrics.csv"))) as f:
         rows = list(csv.DictReader(f))

@@ -52,6 +52,7 @@ class Crew:
         """The first error any thread raised since the last :meth:`reset`."""
         self.failed = False
         """Unusable: a batch was cut short where its state could not be recovered."""
+        self.closed = False
         self._lock = threading.Lock()
         self._live: list[tuple[Flight, list[Task]]] = []
         self._on_abort: list[Callable[[], None]] = []
@@ -141,6 +142,15 @@ class Crew:
             device.synchronize()
 
     # ------------------------------------------------------------------ failures
+    def check_usable(self) -> None:
+        """Refuse work after :meth:`close` or a failure; an asynchronous thread's error is raised here."""
+        if self.closed:
+            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
+        if self.failed:
+            raise RuntimeError("this roundpipe engine stopped after an error in a worker; set up a new one")
+        if self.optimizer is not None and self.error is not None:
+            self.fail()
+
     def when_aborted(self, opener: Callable[[], None]) -> None:
         """Call ``opener`` on an abort, to open gates that the live flights do not own."""
         self._on_abort.append(opener)
@@ -176,6 +186,7 @@ class Crew:
 
     def close(self) -> list[str]:
         """Stop every thread after its queued work; the names of those still running after the timeout."""
+        self.closed = True
         if self.optimizer is not None and not self.optimizer.wait_all(timeout=0):
             self.on_error(RuntimeError("closed"))
         stuck = self._threads.close()
@@ -190,11 +201,14 @@ class Crew:
         for executor in self.executors:
             executor.base_seed = base_seed
 
-    def set_trace(self, trace: list[tuple[Any, ...]]) -> None:
+    def record_trace(self) -> list[tuple[Any, ...]]:
+        """Start recording when each action and each group update started (for tests and timelines)."""
+        trace: list[tuple[Any, ...]] = []
         for executor in self.executors:
             executor.trace = trace
         if self.optimizer is not None:
             self.optimizer.trace = trace
+        return trace
 
     def log_gradient_adds(self, log: list[tuple[float, float, float, int]] | None) -> None:
         """Append every gradient job's (start of the wait for its copy, start of its host adds, their

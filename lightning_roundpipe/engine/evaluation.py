@@ -21,7 +21,6 @@ from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
 from lightning_roundpipe.schedule.build import batch_schedule
-from lightning_roundpipe.schedule.dispatch import Schedule
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import Overlap
 
@@ -29,11 +28,20 @@ from lightning_roundpipe.schedule.transfers import Overlap
 class Evaluator:
     """Runs forward-only batches, and keeps the weights evaluated equal to the masters."""
 
-    def __init__(self, store: HostStore, pool: HostPool, crew: Crew, steps: StepChain, overlap: Overlap) -> None:
+    def __init__(
+        self,
+        store: HostStore,
+        pool: HostPool,
+        crew: Crew,
+        steps: StepChain,
+        overlap: Overlap,
+        microbatches_per_round: int,
+        num_rounds: int,
+    ) -> None:
         self.store, self.pool, self.crew, self.steps, self.overlap = store, pool, crew, steps, overlap
+        self.microbatches_per_round, self.num_rounds = microbatches_per_round, num_rounds
         self.stash: dict[int, Tensor] | None = None
         """Asynchronous mode, between :meth:`begin` and :meth:`end`: the compute copies set aside."""
-        self._schedules: dict[tuple[StagePlan, int, int, int], Schedule] = {}
         self._calls = 0
 
     def begin(self) -> None:
@@ -68,8 +76,6 @@ class Evaluator:
         reduction: Reduction,
         plan: StagePlan,
         first_worker: int,
-        microbatches_per_round: int,
-        num_rounds: int,
     ) -> Any:
         """The batch loss, or the outputs with ``loss_fn=None`` (see ``PipelineEngine.evaluate``)."""
         if not self.steps.asynchronous:
@@ -77,17 +83,15 @@ class Evaluator:
         # a small batch (the last of a validation set) runs as fewer micro-batches, one round: nothing is
         # kept for backward, so the micro-batch count changes no number, only how the work is spread
         size = batch_size(inputs, "the inputs")
-        per_round, rounds = microbatches_per_round, num_rounds
+        per_round, rounds = self.microbatches_per_round, self.num_rounds
         if size < per_round * rounds:
             per_round, rounds = size, 1
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
         mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction) if loss_fn is not None else []
-        key = (plan, first_worker, per_round, rounds)
-        if key not in self._schedules:
-            self._schedules[key] = batch_schedule(
-                plan, self.crew.num_workers, per_round, rounds, first_worker, self.overlap, forward_only=True
-            )
+        schedule = batch_schedule(
+            plan, self.crew.num_workers, per_round, rounds, first_worker, self.overlap, forward_only=True
+        )
         # staged buffers go back to a pool the workers reuse: never let them be inference tensors
         # (trainer.validate/test/predict run under torch.inference_mode)
         with torch.inference_mode(False):
@@ -97,7 +101,7 @@ class Evaluator:
             staged = parcels[n:]
         self._calls += 1
         flight = Flight(
-            -self._calls, self._schedules[key], targets, weights, 1.0, loss_fn, self.crew.abort, self.pool, {},
+            -self._calls, schedule, targets, weights, 1.0, loss_fn, self.crew.abort, self.pool, {},
             self.steps.slot_groups(plan).__getitem__, set(), evaluating=True, step=self.steps.step,
         )  # fmt: skip
         for m, x in enumerate(staged):

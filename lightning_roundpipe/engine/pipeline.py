@@ -45,33 +45,26 @@ class PipelineEngine:
     """Forward and backward of whole batches over ``devices``, gradients accumulated in the host store.
 
     Args:
-        layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are
-            moved into the engine's host store and become views of it.
+        layers: the layer sequence (e.g. the children of an ``nn.Sequential``); their tensors are moved
+            into the engine's host store and become views of it.
         devices: one :class:`WorkerDevice` per worker (the engine gives them its host pool).
-        plan: the stage plan; ``None`` picks :meth:`StagePlan.uniform`; ``"auto"`` measures the layers
-            for ``profile_steps`` batches, plans from their costs (see ``planner``) and checks the
-            stage times every ``check_every`` batches against ``replan_margin`` (see
-            :mod:`~lightning_roundpipe.engine.planner`).
+        plan: a :class:`StagePlan`, ``None`` for :meth:`StagePlan.uniform`, or ``"auto"``: measured and
+            chosen by the :class:`~lightning_roundpipe.engine.planner.AutoPlanner` (with
+            ``profile_steps``, ``replan_margin``, ``check_every``, ``planner`` and ``memory_limit``, the
+            bytes a stage may use on a device).
         microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
         num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
-        compute_dtype: dtype of the parameters uploaded to workers (``None``: the master's dtype).
-        autocast_dtype: autocast dtype for the workers' compute, ``None`` for none.
-        overlap: placement of weight and gradient transfers, see
-            :mod:`lightning_roundpipe.schedule.transfers`.
-        seed: base seed of the per-layer random streams (dropout); ``None`` draws it from torch's
-            global generator, so ``seed_everything`` makes runs repeatable.
-        max_inflight: micro-batches a worker may have queued on its device beyond the one it is
-            issuing; more smooths host hiccups, each costs one micro-batch of activations.
+        compute_dtype, autocast_dtype: dtype of the uploaded parameters (``None``: the master's) and of
+            the workers' autocast (``None``: none).
+        overlap: placement of weight and gradient transfers (:mod:`lightning_roundpipe.schedule.transfers`).
+        seed: base seed of the layers' random streams (dropout); ``None`` draws it from torch's generator.
+        max_inflight: micro-batches a worker may queue on its device beyond the one it issues (each
+            costs one micro-batch of activations; more smooths host hiccups).
         asynchronous: run the optimizer on a host thread with staleness one (see the module docstring).
-        consistency: ``"layerwise"`` (per-group gates, no barrier) or ``"barrier"``: each step drains
-            the pipeline and casts the previous update into the compute copies on the calling thread
-            (the blocking baseline of paper section 4.3.2, for comparison; same numerics).
-        memory_limit: bytes a stage may use on a device, for the partitioner (``None``: no limit).
-        double_buffer: asynchronous mode: a second compute copy of trainable groups, so update ``k``
-            is cast as soon as its math is done instead of after step ``k + 1``'s last upload of the
-            group (docs/perf-notes.md). ``"all"`` (or ``True``): every trainable group (+2 bytes per
-            trainable parameter in bf16); ``"first"``: the groups the plan's first slot reads (grown
-            when the plan changes, never shrunk); ``"none"`` (or ``False``).
+        consistency: ``"layerwise"`` (per-group gates) or ``"barrier"``: each step drains and casts the
+            previous update on the calling thread (paper section 4.3.2's blocking baseline; same numerics).
+        double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
+            ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
     """
 
     def __init__(
@@ -113,66 +106,45 @@ class PipelineEngine:
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
             max_inflight, asynchronous,
         )  # fmt: skip
-        self.steps = StepChain(self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, buffers)
+        for group in self.store.groups:  # weights, and first gradient writes, travel by DMA
+            self.pool.register(group.compute)
+            if group.grad is not None:
+                self.pool.register(group.grad)
+        self.steps = StepChain(
+            self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan, buffers
+        )
         self.crew.when_aborted(self.steps.open_gates)
-        self._pin_host_buffers(buffers)
-        self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, overlap)
+        self.evaluator = Evaluator(
+            self.store, self.pool, self.crew, self.steps, overlap, self.microbatches_per_round, num_rounds
+        )
         self.stats = StepStats(self.num_workers)
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
         self.calls = 0
         """Batches run so far; part of every layer's random seed."""
-        self.trace: list[tuple[Any, ...]] | None = None
-        self._schedules: dict[tuple[StagePlan, int], Schedule] = {}
         self._recording: list[Flight] = []
-        self._closed = False
         self._warned_empty = False
-
-    def _pin_host_buffers(self, double_buffer: str) -> None:
-        """Page-lock the weights, first gradient writes and spare copies that travel by DMA."""
-        spares = []
-        if double_buffer == "all":
-            spares = self.store.add_spares()
-        elif double_buffer == "first":
-            spares = self.store.add_spares(self.steps.slot_groups(self.plan)[0])  # no batch yet: any time is right
-        for group in self.store.groups:
-            self.pool.register(group.compute)
-            if group.grad is not None:
-                self.pool.register(group.grad)  # first gradient writes land here by DMA
-        for spare in spares:
-            self.pool.register(spare)
 
     @property
     def plan(self) -> StagePlan:
-        """The plan the next batch runs (see :attr:`planner`)."""
-        return self.planner.plan
+        return self.planner.plan  # what the next batch runs
 
     @property
     def num_microbatches(self) -> int:
         return self.microbatches_per_round * self.num_rounds
 
     def use_exchange(self, exchange: NodeExchange) -> None:
-        """Data parallelism across nodes, asynchronous mode: the optimizer thread sends each gradient group
-        to the node that owns it once complete, updates the groups this node owns and broadcasts them
-        (overlapping the rest of the backward and the next step)."""
+        """Several nodes, asynchronous mode: the optimizer thread sends each complete gradient group to its
+        owner node, updates this node's groups and broadcasts them, under the next step's compute."""
         if self.crew.optimizer is None:
             raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
         self.crew.optimizer.exchange = exchange
 
-    def record_trace(self) -> list[tuple[Any, ...]]:
-        """Start recording when each action and each group update started (for tests and timelines)."""
-        self.trace = []
-        self.crew.set_trace(self.trace)
-        return self.trace
-
     def schedule(self, first_worker: int) -> Schedule:
         """The validated schedule of a batch starting at ``first_worker`` under the current plan."""
-        key = (self.plan, first_worker)
-        if key not in self._schedules:
-            self._schedules[key] = batch_schedule(
-                self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker, self.overlap
-            )
-        return self._schedules[key]
+        return batch_schedule(
+            self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker, self.overlap
+        )
 
     def set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
@@ -193,13 +165,11 @@ class PipelineEngine:
         """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
         store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch.
 
-        ``last_of_step`` (asynchronous mode): the caller promises that no further batch joins this
-        optimizer step before :meth:`submit_step`. The step's batches are then known at once, and the
-        previous update may be cast into each weight this step no longer uploads, during the step,
-        instead of after it (edge 1 of :mod:`~lightning_roundpipe.runtime.optimizer_worker`). With one
-        compute copy and a plan whose uploads all come early (one worker) that takes the cast off the
-        critical path between steps. A batch after a promised last one is refused before it runs."""
-        self._check_usable()
+        ``last_of_step`` (asynchronous mode): the caller promises that no further batch joins this step
+        before :meth:`submit_step`, so the previous update may be cast into each weight this step no
+        longer uploads during the step, not after it (edge 1 of
+        :mod:`~lightning_roundpipe.runtime.optimizer_worker`). A batch after a promised last one is refused."""
+        self.crew.check_usable()
         self.steps.check_open()
         how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
         mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
@@ -292,7 +262,7 @@ class PipelineEngine:
         """Hand the current step's update to the optimizer worker and start the next step."""
         if not self.asynchronous:
             raise RuntimeError("submit_step needs an engine built with asynchronous=True")
-        self._check_usable()
+        self.crew.check_usable()
         if self.consistency == "barrier" and self.steps.windows[self.steps.step].flights:
             self.flush()  # drain, then cast the previous update here, all groups at once
             self.steps.cast_previous_here()
@@ -312,7 +282,7 @@ class PipelineEngine:
 
     def begin_evaluation(self) -> None:
         """Make the compute copies hold the masters for forward-only passes (see :meth:`Evaluator.begin`)."""
-        self._check_usable()
+        self.crew.check_usable()
         self.flush()
         self.stats.skip_turn()  # the host's turn between batches must not count this pass
         self.evaluator.begin()
@@ -329,45 +299,27 @@ class PipelineEngine:
         reduction: Reduction = "mean",
     ) -> Any:
         """Forward only, through the pipeline: the batch loss (as ``loss_fn`` on the whole batch) or, with
-        ``loss_fn=None``, the model's output with the micro-batches concatenated along dim 0.
-
-        Nothing is kept for a backward pass and no gradient is touched; the training counters, seeds
-        and dispatch position are left as they were. Wrap calls in :meth:`begin_evaluation` and
-        :meth:`end_evaluation` (the strategy does) so the weights evaluated are the masters'.
-        """
-        self._check_usable()
-        return self.evaluator.run(
-            inputs, target, loss_fn, reduction, self.plan, self.dispatch_position, self.microbatches_per_round,
-            self.num_rounds,
-        )  # fmt: skip
+        ``loss_fn=None``, the outputs concatenated along dim 0. Training's counters, seeds and gradients
+        are untouched; call between :meth:`begin_evaluation` and :meth:`end_evaluation`."""
+        self.crew.check_usable()
+        return self.evaluator.run(inputs, target, loss_fn, reduction, self.plan, self.dispatch_position)
 
     def state_dict(self) -> dict[str, Any]:
-        """What resuming exactly needs besides the weights and the optimizer's state
-        (:mod:`~lightning_roundpipe.engine.state`)."""
+        """What resuming exactly needs besides the weights and the optimizer (:mod:`.state`)."""
         self.flush()
         self.steps.settle_early_casts()
         return engine_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where :meth:`state_dict` left off; call on a new engine, before its first batch,
-        after the masters (the module's parameters) were loaded."""
+        """Continue where :meth:`state_dict` left off: on a new engine, before its first batch."""
         if self.calls or self.crew.busy():
             raise RuntimeError("load the roundpipe engine state before the first batch")
         load_engine_state(self, state)
 
     # ------------------------------------------------------------------ failures and close-down
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("this roundpipe engine was closed; set up a new one (a new Trainer.fit does)")
-        if self.crew.failed:
-            raise RuntimeError("this roundpipe engine stopped after an error in a worker; set up a new one")
-        if self.asynchronous and self.crew.error is not None:
-            self.crew.fail()
-
     def _recover(self, flight: Flight) -> None:
         """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
-        and the host buffers it still holds, and be ready again. Host weights are never written by
-        workers, so they are intact."""
+        and host buffers, and be ready again (workers never write the host weights: they are intact)."""
         flight.release_all()
         self.steps.grad_chain.clear()
         self.store.clear_grads()
@@ -375,7 +327,7 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Finish pending updates, stop every thread and unpin host memory; idempotent."""
-        if self._closed:
+        if self.crew.closed:
             return
         try:
             if self.asynchronous and not self.crew.failed and self.crew.error is None:
@@ -384,7 +336,6 @@ class PipelineEngine:
                 assert self.crew.optimizer is not None
                 self.crew.optimizer.wait_all(timeout=60.0)
         finally:
-            self._closed = True
             stuck = self.crew.close()
             if stuck:
                 warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)

@@ -38,7 +38,9 @@ class StepChain:
         abort: the crew's abort: every gate here opens with it.
         optimizer: the optimizer thread (asynchronous mode), else ``None``.
         fail: stops the engine and raises its error (when a wait here was aborted).
-        double_buffer: one of :data:`DOUBLE_BUFFERS`.
+        plan: the first batch's plan (with ``double_buffer="first"``, its first slot's groups get spares).
+        double_buffer: one of :data:`DOUBLE_BUFFERS`: spare compute copies of every trainable group, of
+            the plan's first slot's (grown at a step's start when the plan changes), or none.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class StepChain:
         abort: threading.Event,
         optimizer: OptimizerWorker | None,
         fail: Callable[[], None],
+        plan: StagePlan,
         double_buffer: str = "none",
     ) -> None:
         self.store, self.pool, self.abort, self.optimizer, self.fail = store, pool, abort, optimizer, fail
@@ -62,6 +65,10 @@ class StepChain:
         self.windows: dict[int, StepWindow] = {0: StepWindow(abort)}
         self._job_gates: list[Gate] = []
         self._slot_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
+        if double_buffer == "all":
+            store.add_spares(prepare=pool.register)
+        elif double_buffer == "first":  # no batch yet: any time is right
+            store.add_spares(self.slot_groups(plan)[0], prepare=pool.register)
 
     @property
     def asynchronous(self) -> bool:

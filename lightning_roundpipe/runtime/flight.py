@@ -99,21 +99,12 @@ class Flight:
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
         self.grad_order: dict[tuple[int, int], tuple[list[Gate], Gate]] = {}
+        """Per slot, the gates its gradient writes wait for (the previous writers') and the one it opens."""
         self.overwrite: dict[tuple[int, int], frozenset[int]] = {}
         """Per slot, the groups it is the first to write since the host gradients were cleared: their
         gradients are copied straight into the host buffer instead of added to it."""
-        for rnd in range(schedule.num_rounds):
-            for stage in schedule.stages():
-                if stage.kind is StageKind.FORWARD or evaluating:
-                    continue
-                groups = groups_of_slot(stage.slot)
-                done = self.gate()
-                waits = [grad_chain[g] for g in groups if g in grad_chain]
-                self.grad_order[(rnd, stage.slot)] = (waits, done)
-                self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in fresh_grads)
-                fresh_grads.difference_update(groups)
-                for g in groups:
-                    grad_chain[g] = done
+        if not evaluating:
+            self._join_gradient_chain(grad_chain, groups_of_slot, fresh_grads)
         self._uploads_left: dict[int, int] = {}
         """Per trainable group, how many of this flight's uploads of it are still to be issued. Counted,
         not "the last in schedule order": slots prefetch their weights, so a later slot's upload on one
@@ -124,6 +115,24 @@ class Flight:
                     self._uploads_left[g] = self._uploads_left.get(g, 0) + 1
         self._uploaded = {g: (self.gate(), []) for g in self._uploads_left}
         """Per trainable group: open once every upload of it was issued, and their events."""
+
+    def _join_gradient_chain(
+        self, grad_chain: dict[int, Gate], groups_of_slot: Callable[[int], tuple[int, ...]], fresh_grads: set[int]
+    ) -> None:
+        """Order this flight's gradient writes after every earlier writer of each group, slot by slot in
+        schedule order (a fixed order: sums are bit-identical run to run)."""
+        for rnd in range(self.schedule.num_rounds):
+            for stage in self.schedule.stages():
+                if stage.kind is StageKind.FORWARD:
+                    continue
+                groups = groups_of_slot(stage.slot)
+                done = self.gate()
+                waits = [grad_chain[g] for g in groups if g in grad_chain]
+                self.grad_order[(rnd, stage.slot)] = (waits, done)
+                self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in fresh_grads)
+                fresh_grads.difference_update(groups)
+                for g in groups:
+                    grad_chain[g] = done
 
     def gate(self) -> Gate:
         """A gate that an abort of this flight opens."""
