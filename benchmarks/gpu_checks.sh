@@ -14,6 +14,7 @@
 #        maxseq24-roundpipe-split baselines-split (roundpipe with each block as two layers: --split-blocks)
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
 #        throughput-tail (issue 3: 3 and 2 fused blocks with the step's tail summed on the device)
+#        lightning-user lightning-user-24gib lightning-user-long (issue 23: what a newcomer's Trainer code gets)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -71,6 +72,14 @@ for step in "${steps[@]}"; do
         --out "$OUT/throughput-tail-3.json"
       run throughput-tail-2 120 python benchmarks/throughput.py --fused-blocks 2 --configs roundpipe-priority \
         --optimizer-steps 0 --out "$OUT/throughput-tail-2.json" ;;
+    lightning-user)  # issue 23: a Hugging Face model under Trainer, as a newcomer writes it, against plain and hand-tuned
+      run lightning-user 560 python benchmarks/lightning_user.py --configs plain,newcomer,tuned-4,tuned-2 \
+        --config-timeout 170 --out "$OUT/lightning-user.json" ;;
+    lightning-user-24gib) run lightning-user-24gib 400 python benchmarks/lightning_user.py --gpu-gib 24 \
+        --configs newcomer,tuned-4,tuned-8 --config-timeout 150 --out "$OUT/lightning-user-24gib.json" ;;
+    lightning-user-long)  # batch size 1 at 131,072 tokens on the 24 GiB card, split and tiled layers, no other argument
+      run lightning-user-long 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-split-tiled \
+        --seqs 1 --seq-len 131072 --warmup 3 --steps 2 --config-timeout 280 --out "$OUT/lightning-user-long.json" ;;
     throughput-mem) run throughput-mem 420 python benchmarks/throughput.py --configs plain,roundpipe-priority \
       --fused-blocks 1 --out "$OUT/throughput-mem.json" ;;
     ds-setup)  # DeepSpeed from the carried wheels (run(carry=["wheels"])); its CPU Adam builds in the background

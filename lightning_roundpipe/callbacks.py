@@ -37,6 +37,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
       the devices wait for the host
     - ``roundpipe/handoff_s``: what the prediction charges between two batches (the host's turn, the
       first slot's wait for its casts and its upload; see ``StepStats.handoff``)
+    - ``roundpipe/host_step_s``: seconds of the last host optimizer step (its math; asynchronously, the
+      update of the step before); longer than the devices' step means the GPUs wait for the host
     - ``roundpipe/stages``: slots per round in the current plan
     - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
       automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
@@ -111,6 +113,9 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/host_gap"] = engine.stats.host_gap
         if engine.stats.handoff is not None:
             metrics["roundpipe/handoff_s"] = engine.stats.handoff
+        host_step = getattr(trainer.strategy, "host_step_s", None)
+        if host_step is not None:
+            metrics["roundpipe/host_step_s"] = host_step
         if engine.planner.drift is not None:
             metrics["roundpipe/drift"] = engine.planner.drift
         now, moved = time.perf_counter(), engine.crew.transferred_bytes()

@@ -1,5 +1,5 @@
-"""One process per node: ranks, world size, sampler and collectives for a strategy whose processes are
-nodes, each driving every device of its node from one process (no launcher, no process per GPU)."""
+"""One process per node, driving every device of its node: the host as root device, the worker devices,
+ranks, world size, sampler and collectives between nodes (no launcher, no process per GPU)."""
 
 from __future__ import annotations
 
@@ -24,20 +24,37 @@ _rank_zero_only = pl.utilities.rank_zero_only
 
 
 class NodeProcesses(pl.strategies.ParallelStrategy):  # type: ignore[misc,name-defined]
-    """A ``ParallelStrategy`` with one process per node: world size and global rank count nodes, the
-    distributed sampler splits data over nodes, and collectives run on gloo between nodes."""
+    """A ``ParallelStrategy`` with one process per node: the model stays on the host (the root device) and
+    the node's devices are workers; world size and global rank count nodes, the distributed sampler
+    splits data over nodes, and collectives run on gloo between nodes."""
 
     def __init__(self, timeout: timedelta, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._nodes = Nodes()
         self._timeout = timeout
 
-    def _connect_nodes(self) -> None:
-        """With ``num_nodes > 1``: set the ranks and join the nodes' process groups."""
-        if self._nodes.count > 1:
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """The host: the model, optimizer and batches live there; workers bring data to devices."""
+        return torch.device("cpu")
+
+    @property
+    def worker_devices(self) -> list[torch.device]:
+        return list(self.parallel_devices or [torch.device("cpu")])
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.worker_devices[0])
+        if self._nodes.count > 1:  # set the ranks and join the nodes' process groups
             assert self.cluster_environment is not None
             _rank_zero_only.rank = _fabric_rank_zero_only.rank = self.node_rank
             self._nodes.connect(self.cluster_environment, self.node_rank, self._timeout)
+
+    @override
+    def model_to_device(self) -> None:
+        """The model stays on the host: the engine moves weights to devices stage by stage."""
 
     @property
     def is_distributed(self) -> bool:

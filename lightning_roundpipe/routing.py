@@ -121,7 +121,8 @@ class PipelineCalls:
         loss = self.engine.train_batch(
             inputs, target, loss_fn, reduction, grad_scale=grad_scale, last_of_step=self._last_of_step()
         )
-        skips = self.precision.precision == "16-mixed"  # it skips the step and lowers the loss scale instead
+        # 16-mixed skips the step and lowers the loss scale; otherwise an update would spoil every weight
+        skips = self.precision.precision == "16-mixed"
         if not skips and not self.nodes.all_finite(bool(torch.isfinite(loss))):
             raise FloatingPointError(
                 f"the loss of the batch at step {self.trainer.global_step} is {loss.item()} (here or on another"

@@ -24,6 +24,7 @@ from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.build import build_engine
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.host_optimizer import HostStepClock, use_fused_kernels
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -101,37 +102,29 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         )  # fmt: skip
         super().__init__(
             self.options.timeout, accelerator=accelerator, parallel_devices=parallel_devices,
-            checkpoint_io=checkpoint_io or _checkpoint_io.StreamingCheckpointIO(), precision_plugin=precision_plugin,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
         self.engine: PipelineEngine | None = None
         self._calls: PipelineCalls | None = None
+        self._host_clock = HostStepClock()
 
     @property
     def async_optimizer(self) -> bool:
         return self.options.async_optimizer
 
-    # ------------------------------------------------------------------ one process, many devices
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        """The host: the model, optimizer and batches live there; workers bring data to devices."""
-        return torch.device("cpu")
-
-    @property
-    def worker_devices(self) -> list[torch.device]:
-        return list(self.parallel_devices or [torch.device("cpu")])
-
-    @override
-    def setup_environment(self) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup_device(self.worker_devices[0])
-        self._connect_nodes()
-
-    @override
-    def model_to_device(self) -> None:
-        """The model stays on the host: the engine moves weights to devices stage by stage."""
-
     # ------------------------------------------------------------------ checkpoints and precision
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        if self._checkpoint_io is None:  # made when first asked for: a CheckpointIO plugin may still come
+            self._checkpoint_io = _checkpoint_io.StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Adds the engine's state (counters, plan, pending-update compute copies) to a full checkpoint."""
@@ -142,6 +135,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        use_fused_kernels(self.optimizers, calibrate=False)  # the saved groups' settings came back
         if self.engine is not None:
             self._nodes.keep_own_states(self.optimizers, self.engine)
             if "roundpipe" in checkpoint:
@@ -172,6 +166,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self._setup_engine(trainer, training=fitting)
         if fitting:
             self.setup_optimizers(trainer)
+            use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:
@@ -187,8 +182,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             training, self._nodes.count,
         )  # fmt: skip
         self._nodes.join(self.engine, asynchronous)
+        steps_after = lambda: asynchronous and _lightning_steps_after(module)  # noqa: E731
         self._calls = PipelineCalls(
-            self.engine, pipelined, trainer, self.precision_plugin, self._nodes, self._last_of_step,
+            self.engine, pipelined, trainer, self.precision_plugin, self._nodes, steps_after,
             self.options.evaluate_hf_in_pipeline,
         )  # fmt: skip
 
@@ -203,19 +199,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         super().teardown()
 
     # ------------------------------------------------------------------ the training step
-    def _last_of_step(self) -> bool:
-        """Whether Lightning steps the optimizer after this batch, asked of its training loop. ``False`` when
-        it cannot tell or the module's own ``optimizer_step`` decides: the engine learns it a little later."""
-        module = self.lightning_module
-        if not self.async_optimizer or not module.automatic_optimization:
-            return False
-        if _is_overridden("optimizer_step", module):
-            return False  # it may run the closure alone and skip the step (Lightning documents that)
-        try:
-            return not module.trainer.fit_loop.epoch_loop._should_accumulate()
-        except AttributeError:  # a Lightning without this loop method
-            return False
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._calls is not None
@@ -256,11 +239,13 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         trainer = self.lightning_module.trainer
         if not self.async_optimizer:
             closure = self._nodes.step_closure(closure, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            with self._host_clock.timing(self._device_step_s(), optimizer) as timed:
+                output = super().optimizer_step(optimizer, timed(closure), model, **kwargs)
             self._nodes.after_step()
             self.engine.store.clear_grads()
             self.engine.store.mark_dirty()  # the next batch uploads the updated weights
             return output
+        self._host_clock.record(self.engine.crew.optimizer.last_step_s, self._device_step_s(), optimizer)
         closure_result = closure()  # training_step, with the pipelined forward and backward
         _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
@@ -271,7 +256,17 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
         return closure_result
 
-    # ------------------------------------------------------------------ the host weights, when read
+    def _device_step_s(self) -> float | None:
+        """Seconds the GPUs compute for one optimizer step, from the last measured batch (CPU workers: none)."""
+        compute = self.engine.stats.compute_s if self.engine is not None else None
+        if compute is None or not any(d.type == "cuda" for d in self.worker_devices):
+            return None
+        return compute * self.lightning_module.trainer.accumulate_grad_batches
+
+    @property
+    def host_step_s(self) -> float | None:
+        return self._host_clock.host_step_s  # the last host optimizer step's seconds (RoundPipeMonitor logs it)
+
     def _flush(self) -> None:
         """Let the pending update reach the master weights (before they are read or saved)."""
         if self.engine is not None:
@@ -348,3 +343,16 @@ def _warn_about_gradient_hooks(module: Any) -> None:
             " RoundPipeStrategy(async_optimizer=True) gradients are applied on a host thread one step later"
             " and `p.grad` is None in these hooks. Use async_optimizer=False to inspect gradients there."
         )
+
+
+def _lightning_steps_after(module: Any) -> bool:
+    """Whether Lightning steps the optimizer after the current batch, asked of its training loop. ``False``
+    when it cannot tell or the module's own ``optimizer_step`` decides: the engine learns it a little later."""
+    if not module.automatic_optimization:
+        return False
+    if _is_overridden("optimizer_step", module):
+        return False  # it may run the closure alone and skip the step (Lightning documents that)
+    try:
+        return not module.trainer.fit_loop.epoch_loop._should_accumulate()
+    except AttributeError:  # a Lightning without this loop method
+        return False

@@ -98,6 +98,49 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
 
 
 @pytest.mark.timeout(120)
+def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
+    """Left unset, the count is measured at two micro-batch sizes (the default 4, then 8) and chosen with
+    the plan: a layer costing the same 20 ms per micro-batch whatever its size favours few micro-batches."""
+    net = model()
+    reference = copy.deepcopy(net)
+    workers = [WorkerDevice("cpu", i) for i in range(2)]
+    engine = PipelineEngine(list(net.children()), workers, plan="auto", profile_steps=2, check_every=0)
+    try:
+        assert engine.num_microbatches == 4
+        for s in range(4):
+            x, y = batch(s)
+            engine.train_batch(x, y, F.mse_loss)
+            engine.store.install_grads()
+            reference.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            for p, q in zip(net.parameters(), reference.parameters()):
+                assert relative_error(p.grad, q.grad) <= 1e-5
+            engine.store.clear_grads()
+        assert engine.planner.microbatches_per_round == 2 and engine.plan != LayerProfile.plan(8)
+        costs = engine.planner.layer_costs  # at the chosen size: 4 samples per micro-batch
+        assert costs is not None and 0.015 < costs.forward[4] < 0.06
+        state = engine.state_dict()
+        assert state["microbatches_per_round"] == 2
+    finally:
+        engine.close()
+    resumed = PipelineEngine(list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto")
+    try:
+        resumed.load_state_dict(state)
+        assert resumed.planner.microbatches_per_round == 2 and resumed.plan == engine.plan
+    finally:
+        resumed.close()
+
+
+def test_profiled_costs_are_fitted_through_two_micro_batch_sizes():
+    from lightning_roundpipe.runtime.profile import _at
+
+    assert _at([(2.0, 3.0), (4.0, 5.0)], 8.0) == pytest.approx(9.0)  # 1 + 1 * size
+    assert _at([(4.0, 5.0)], 8.0) == pytest.approx(10.0)  # one size: in proportion
+    assert _at([(2.0, 1.0), (4.0, 5.0)], 8.0) == pytest.approx(10.0)  # a negative intercept: proportional
+    assert _at([], 8.0) == 0.0
+
+
+@pytest.mark.timeout(120)
 def test_drifting_costs_bring_a_new_measurement_and_plan():
     net = model()
     engine = auto_engine(net, check_every=1, replan_margin=0.5)

@@ -23,6 +23,8 @@ SMOKE = {
                 "--double-buffer", "first", *TINY],
     "hf_preset": ["--device", "cpu", "--model", "debug", "--configs", "handwritten,preset,preset-padded", "--seqs",
                   "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--in-process", *TINY],
+    "lightning_user": ["--device", "cpu", "--model", "debug", "--configs", "plain,newcomer,tuned-2", "--seqs", "4",
+                       "--micro-batch", "2", "--steps", "2", "--warmup", "3", "--in-process", *TINY],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
                           "2", "--warmup", "1", "--in-process", *TINY],

@@ -35,6 +35,7 @@ def test_monitor_logs_and_writes_files(tmp_path):
         "roundpipe/h2d_gbps",
         "roundpipe/host_rss_gib",
         "roundpipe/drift",
+        "roundpipe/host_step_s",
     ):
         assert key in keys, key  # fmt: skip
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]

@@ -96,6 +96,15 @@ def test_strategy_writes_through_the_streaming_io_by_default():
     assert isinstance(RoundPipeStrategy().checkpoint_io, StreamingCheckpointIO)
 
 
+def test_a_checkpoint_io_plugin_goes_with_a_strategy_instance():
+    """The default is made when first asked for: Lightning refuses a CheckpointIO set on both (a
+    regression of the glue split, found in review)."""
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
+    trainer = L.Trainer(strategy=RoundPipeStrategy(), plugins=[TorchCheckpointIO()], accelerator="cpu", logger=False)
+    assert type(trainer.strategy.checkpoint_io) is TorchCheckpointIO
+
+
 def test_checkpoint_state_dict_loads_into_the_plain_model(tmp_path):
     trained = run(BoringPipeline, dict(async_optimizer=True), 1, tmp_path)
     state = torch.load(tmp_path / "epoch=0.ckpt", weights_only=False)["state_dict"]

@@ -8,8 +8,21 @@ import random
 import pytest
 from test_partition import random_costs, stage_memory_ok
 
-from lightning_roundpipe.schedule.choose import fastest_plan
-from lightning_roundpipe.schedule.partition import Infeasible, _Packer, near_optimal, objective, partition, spread
+from lightning_roundpipe.schedule.choose import (
+    automatic_plan,
+    fastest_plan,
+    microbatch_candidates,
+    plan_with_microbatches,
+)
+from lightning_roundpipe.schedule.partition import (
+    Infeasible,
+    LayerCosts,
+    _Packer,
+    near_optimal,
+    objective,
+    partition,
+    spread,
+)
 from lightning_roundpipe.schedule.simulate import roundpipe
 
 
@@ -114,3 +127,42 @@ def test_the_automatic_plan_is_the_planners_answer():
     assert automatic_plan(costs, workers, microbatches, planner="objective").plan == best.plan
     with pytest.raises(ValueError, match="planner='quickest'"):
         automatic_plan(costs, workers, microbatches, planner="quickest")
+
+
+def per_microbatch_costs(samples: float, overhead: float, layers: int = 6, bytes_per_sample: int = 10) -> LayerCosts:
+    """Each layer takes ``overhead + samples`` ms and keeps ``bytes_per_sample * samples`` bytes."""
+    t = (overhead + samples) * 1e-3
+    acts = int(bytes_per_sample * samples)
+    return LayerCosts(
+        (t,) * layers, (2 * t,) * layers, (100,) * layers, (100,) * layers, (acts,) * layers, (acts,) * layers
+    )
+
+
+def test_the_microbatch_count_trades_overhead_against_memory():
+    """A large fixed cost per micro-batch favours few, large ones; a memory limit that only small
+    micro-batches fit under makes the count grow until the plan fits, and no further."""
+    candidates = microbatch_candidates(32, 1)
+    assert candidates == [1, 2, 3, 4, 6, 8, 16, 32]
+    costly = lambda s: per_microbatch_costs(s, overhead=50.0)  # noqa: E731
+    assert plan_with_microbatches(costly, 32, 1, candidates)[0] == 1
+    limit = 520  # a backward stage's two copies of weights and gradients (400 bytes) and 12 samples' activations
+
+    def fits(count: int) -> bool:
+        try:
+            automatic_plan(costly(32 / count), 1, count, limit)
+        except Infeasible:
+            return False
+        return True
+
+    smallest = min(c for c in candidates if fits(c))
+    assert smallest > 1
+    assert plan_with_microbatches(costly, 32, 1, candidates, memory_limit=limit)[0] == smallest
+    with pytest.raises(Infeasible):
+        plan_with_microbatches(lambda s: per_microbatch_costs(s, overhead=1.0), 32, 1, candidates, memory_limit=10)
+
+
+def test_candidates_keep_every_worker_busy_and_stay_within_what_was_measured():
+    assert microbatch_candidates(32, 3) == [3, 4, 6, 8, 9, 12, 16, 18, 24, 32]
+    assert microbatch_candidates(32, 1, smallest=4) == [1, 2, 3, 4, 6, 8]  # no micro-batch below 4 samples
+    assert microbatch_candidates(2, 3) == [2]  # a batch smaller than the workers
+    assert microbatch_candidates(1, 1) == [1]

@@ -121,9 +121,15 @@ def test_generated_schedules_validate(workers, mbs, rounds):
                 validate(add_transfers(round_robin(StagePlan.parse(plan), workers, mbs, rounds, g0), overlap))
 
 
-def test_too_few_microbatches_per_round_is_refused():
-    with pytest.raises(ValueError, match=r"M_R >= N"):
-        round_robin(StagePlan.parse("1|1,1"), num_workers=3, microbatches_per_round=2)
+def test_rounds_of_fewer_microbatches_than_workers_are_complete_and_deadlock_free():
+    """A batch smaller than the workers (batch size 1 on 3 GPUs) runs a round of fewer micro-batches: some
+    workers idle, none waits forever."""
+    for plan in ["1|1,1", "3,3|1,2,2,2"]:
+        for mbs, rounds in [(1, 1), (2, 1), (1, 3)]:
+            for g0 in range(3):
+                validate(add_transfers(round_robin(StagePlan.parse(plan), 3, mbs, rounds, g0), "priority"))
+    with pytest.raises(ValueError, match=r"at least one micro-batch per round"):
+        round_robin(StagePlan.parse("1|1,1"), num_workers=3, microbatches_per_round=0)
 
 
 def test_validator_marks_a_deadlocked_action():

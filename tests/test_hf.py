@@ -322,9 +322,7 @@ def test_core_package_does_not_import_transformers_or_peft():
     code = "import sys, lightning_roundpipe; assert 'lightning_roundpipe.models.hf' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     root = Path(lightning_roundpipe.__file__).parent
-    for path in root.rglob("*.py"):
-        if path.name == "hf.py":
-            continue
+    for path in root.rglob("*.py"):  # models/hf/ too: its transformers imports are inside functions
         for node in ast.parse(path.read_text()).body:  # module-level imports only
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []

@@ -57,6 +57,18 @@ def test_weights_equal_plain_training(strategy, devices, extra):
     assert ours.seen_grad_norms == pytest.approx(plain.seen_grad_norms, rel=1e-5)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize(("samples", "batch_size"), [(26, 12), (5, 1)])
+def test_a_short_last_batch_and_batch_size_one_train_like_plain_lightning(devices, samples, batch_size):
+    """Lightning's default ``drop_last=False`` leaves a last batch smaller than the micro-batch count (26 =
+    12 + 12 + 2), and long sequences come one at a time: both run as fewer micro-batches, as plain does."""
+    data = boring_data(samples, batch_size)
+    plain = fit(BoringPipeline, {**CPU, "devices": 1, "max_epochs": 2}, data)
+    ours = fit(BoringPipeline, {**CPU, "devices": devices, "strategy": SYNC(), "max_epochs": 2}, data)
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    assert ours.seen_grad_norms == pytest.approx(plain.seen_grad_norms, rel=1e-5)
+
+
 def test_fused_adamw_and_step_lr_scheduler():
     factory = partial(BoringPipeline, fused=True, scheduler=True)
     plain = fit(factory, {**CPU, "devices": 1, "max_epochs": 2})

@@ -15,13 +15,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_roundpipe.engine.crew import Crew
+from lightning_roundpipe.engine.planner import AutoPlanner
 from lightning_roundpipe.engine.steps import StepChain
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
 from lightning_roundpipe.schedule.build import batch_schedule
-from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import Overlap
 
 
@@ -29,17 +29,10 @@ class Evaluator:
     """Runs forward-only batches, and keeps the weights evaluated equal to the masters."""
 
     def __init__(
-        self,
-        store: HostStore,
-        pool: HostPool,
-        crew: Crew,
-        steps: StepChain,
-        overlap: Overlap,
-        microbatches_per_round: int,
-        num_rounds: int,
+        self, store: HostStore, pool: HostPool, crew: Crew, steps: StepChain, planner: AutoPlanner, overlap: Overlap
     ) -> None:
         self.store, self.pool, self.crew, self.steps, self.overlap = store, pool, crew, steps, overlap
-        self.microbatches_per_round, self.num_rounds = microbatches_per_round, num_rounds
+        self.planner = planner
         self.stash: dict[int, Tensor] | None = None
         """Asynchronous mode, between :meth:`begin` and :meth:`end`: the compute copies set aside."""
         self._calls = 0
@@ -74,7 +67,6 @@ class Evaluator:
         target: Any,
         loss_fn: Callable[[Any, Any], Tensor] | None,
         reduction: Reduction,
-        plan: StagePlan,
         first_worker: int,
     ) -> Any:
         """The batch loss, or the outputs with ``loss_fn=None`` (see ``PipelineEngine.evaluate``)."""
@@ -83,7 +75,7 @@ class Evaluator:
         # a small batch (the last of a validation set) runs as fewer micro-batches, one round: nothing is
         # kept for backward, so the micro-batch count changes no number, only how the work is spread
         size = batch_size(inputs, "the inputs")
-        per_round, rounds = self.microbatches_per_round, self.num_rounds
+        plan, per_round, rounds = self.planner.plan, self.planner.microbatches_per_round, self.planner.num_rounds
         if size < per_round * rounds:
             per_round, rounds = size, 1
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"

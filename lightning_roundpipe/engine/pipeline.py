@@ -34,7 +34,7 @@ from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
 from lightning_roundpipe.runtime.workers import PipelineAborted
@@ -52,7 +52,8 @@ class PipelineEngine:
             chosen by the :class:`~lightning_roundpipe.engine.planner.AutoPlanner` (with
             ``profile_steps``, ``replan_margin``, ``check_every``, ``planner`` and ``memory_limit``, the
             bytes a stage may use on a device).
-        microbatches_per_round: ``M_R``, at least the number of workers; ``None`` means workers + 1.
+        microbatches_per_round: ``M_R``, at least the number of workers, honoured wherever a batch is
+            large enough (a smaller one runs as fewer micro-batches); ``None``: chosen by the planner.
         num_rounds: rounds per batch; a batch is split into ``M_R * num_rounds`` micro-batches.
         compute_dtype, autocast_dtype: dtype of the uploaded parameters (``None``: the master's) and of
             the workers' autocast (``None``: none).
@@ -90,17 +91,15 @@ class PipelineEngine:
     ) -> None:
         self.layers, self.devices = list(layers), list(devices)
         self.num_workers = len(self.devices)
-        self.microbatches_per_round = microbatches_per_round or self.num_workers + 1
-        self.num_rounds, self.overlap, self.asynchronous = num_rounds, overlap, asynchronous
-        self.consistency = consistency
+        self.overlap, self.asynchronous, self.consistency = overlap, asynchronous, consistency
         buffers = double_buffering(double_buffer)
-        _check_arguments(self, buffers)
+        _check_arguments(self, microbatches_per_round, num_rounds, buffers)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
-        self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
-        self.planner = AutoPlanner(
-            plan, len(self.layers), self.num_workers, self.microbatches_per_round, num_rounds, asynchronous,
+        self.planner = AutoPlanner(  # checks the plan and planner arguments before the layers move
+            plan, len(self.layers), self.num_workers, microbatches_per_round, num_rounds, asynchronous,
             self.pool, profile_steps, replan_margin, check_every, planner, memory_limit,
         )  # fmt: skip
+        self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.crew = Crew(
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
@@ -114,9 +113,7 @@ class PipelineEngine:
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan, buffers
         )
         self.crew.when_aborted(self.steps.open_gates)
-        self.evaluator = Evaluator(
-            self.store, self.pool, self.crew, self.steps, overlap, self.microbatches_per_round, num_rounds
-        )
+        self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, self.planner, overlap)
         self.stats = StepStats(self.num_workers)
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
@@ -131,7 +128,7 @@ class PipelineEngine:
 
     @property
     def num_microbatches(self) -> int:
-        return self.microbatches_per_round * self.num_rounds
+        return self.planner.num_microbatches  # of a batch large enough; the planner may choose it
 
     def use_exchange(self, exchange: NodeExchange) -> None:
         """Several nodes, asynchronous mode: the optimizer thread sends each complete gradient group to its
@@ -140,11 +137,9 @@ class PipelineEngine:
             raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
         self.crew.optimizer.exchange = exchange
 
-    def schedule(self, first_worker: int) -> Schedule:
+    def schedule(self, first_worker: int, per_round: int, rounds: int) -> Schedule:
         """The validated schedule of a batch starting at ``first_worker`` under the current plan."""
-        return batch_schedule(
-            self.plan, self.num_workers, self.microbatches_per_round, self.num_rounds, first_worker, self.overlap
-        )
+        return batch_schedule(self.plan, self.num_workers, per_round, rounds, first_worker, self.overlap)
 
     def set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
@@ -165,14 +160,17 @@ class PipelineEngine:
         """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
         store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch.
 
-        ``last_of_step`` (asynchronous mode): the caller promises that no further batch joins this step
-        before :meth:`submit_step`, so the previous update may be cast into each weight this step no
-        longer uploads during the step, not after it (edge 1 of
-        :mod:`~lightning_roundpipe.runtime.optimizer_worker`). A batch after a promised last one is refused."""
+        ``last_of_step`` (asynchronous mode): no further batch joins this step before :meth:`submit_step`, so
+        the previous update may be cast into each weight this step no longer uploads during the step (edge 1
+        of :mod:`~lightning_roundpipe.runtime.optimizer_worker`); a batch after a promised last one is refused."""
         self.crew.check_usable()
         self.steps.check_open()
-        how = f"num_microbatches={self.microbatches_per_round} per round x num_rounds={self.num_rounds}"
-        mb_inputs, mb_targets = split_batch(inputs, target, self.num_microbatches, how)
+        self.stats.submitted(self.calls)
+        self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
+        samples = batch_size(inputs, "the inputs")
+        per_round, rounds = self.planner.counts(samples)
+        how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
+        mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction)
         if not any(weights) and not self._warned_empty:
             self._warned_empty = True
@@ -183,7 +181,9 @@ class PipelineEngine:
             )
         # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
         staged = self.pool.stage_all([*mb_targets, *mb_inputs])
-        flight = self._flight(staged[: len(mb_targets)], staged[len(mb_targets) :], weights, loss_fn, grad_scale)
+        flight = self._flight(
+            staged[: len(mb_targets)], staged[len(mb_targets) :], weights, loss_fn, grad_scale, (samples, rounds)
+        )
         tasks = self.crew.launch(flight, settle=not self.asynchronous)
         self.dispatch_position = flight.schedule.next_first_worker
         self.calls += 1
@@ -209,20 +209,20 @@ class PipelineEngine:
         weights: list[float],
         loss_fn: Callable[[Any, Any], Tensor],
         grad_scale: float,
+        shape: tuple[int, int],
     ) -> Flight:
         """The next batch's flight, its inputs posted; the staged parcels are its own from here on."""
         flight = None
         try:  # until the flight owns the staged parcels, a failure (or Ctrl-C) gives them back here
             if not self.asynchronous:
                 self.store.sync_compute()
-            self.stats.submitted(self.calls)
-            self._harvest()
-            schedule = self.schedule(self.dispatch_position)
+            samples, rounds = shape  # the batch's dim-0 size and rounds
+            schedule = self.schedule(self.dispatch_position, len(inputs) // rounds, rounds)
             self.steps.spare_first_slot(schedule.plan)
             record = self.planner.records(self.calls)
             flight = self.steps.flight(
                 self.calls, schedule, targets, weights, grad_scale=grad_scale, loss_fn=loss_fn, record=record,
-                measure_memory=record and self.planner.measuring,
+                measure_memory=record and self.planner.measuring, samples=samples,
             )  # fmt: skip
             if record:
                 self._recording.append(flight)
@@ -302,7 +302,7 @@ class PipelineEngine:
         ``loss_fn=None``, the outputs concatenated along dim 0. Training's counters, seeds and gradients
         are untouched; call between :meth:`begin_evaluation` and :meth:`end_evaluation`."""
         self.crew.check_usable()
-        return self.evaluator.run(inputs, target, loss_fn, reduction, self.plan, self.dispatch_position)
+        return self.evaluator.run(inputs, target, loss_fn, reduction, self.dispatch_position)
 
     def state_dict(self) -> dict[str, Any]:
         """What resuming exactly needs besides the weights and the optimizer (:mod:`.state`)."""
@@ -343,7 +343,9 @@ class PipelineEngine:
                 self.pool.close()
 
 
-def _check_arguments(engine: PipelineEngine, double_buffer: str) -> None:
+def _check_arguments(
+    engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str
+) -> None:
     """Refuse arguments the engine cannot run with, before anything is allocated."""
     if not engine.layers:
         raise ValueError("the model has no layers to pipeline: pass a non-empty nn.Sequential")
@@ -351,13 +353,14 @@ def _check_arguments(engine: PipelineEngine, double_buffer: str) -> None:
         raise ValueError("the engine needs at least one worker device")
     if engine.overlap not in OVERLAPS:
         raise ValueError(f"overlap={engine.overlap!r} is not one of {OVERLAPS}")
-    if engine.microbatches_per_round < engine.num_workers:
+    if microbatches_per_round is not None and microbatches_per_round < engine.num_workers:
         raise ValueError(
-            f"num_microbatches={engine.microbatches_per_round} per round is fewer than the {engine.num_workers}"
-            f" workers: each worker would idle. Use num_microbatches >= {engine.num_workers}."
+            f"num_microbatches={microbatches_per_round} per round is fewer than the {engine.num_workers}"
+            f" workers: each worker would idle. Use num_microbatches >= {engine.num_workers}, or leave it unset"
+            " (a batch too small for it runs as fewer micro-batches anyway)."
         )
-    if engine.num_rounds < 1:
-        raise ValueError(f"num_rounds must be at least 1, got {engine.num_rounds}")
+    if num_rounds < 1:
+        raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
     if engine.consistency not in ("layerwise", "barrier"):
         raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
     if double_buffer != "none" and not engine.asynchronous:

@@ -33,6 +33,7 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "drifted": planner.drifted,
         "offset_checked": planner.offset_checked,
         "profiling": planner.measuring,
+        "microbatches_per_round": planner.microbatches_per_round,
     }
     if steps.asynchronous and steps.pending_casts():
         stash = engine.evaluator.stash or {}  # saved during validation: the copies set aside are the ones
@@ -58,6 +59,8 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
             planner.replan()  # saved while measuring again: measure anew
         elif plan.num_layers == planner.num_layers:
             planner.profile = None
+            if planner.chooses_microbatches and state.get("microbatches_per_round"):  # chosen with the plan
+                planner.microbatches_per_round = int(state["microbatches_per_round"])
             engine.set_plan(plan)
             # the plan's own timing, so that a resumed run (another machine, say) is judged against it
             reference = state.get("drift_reference")

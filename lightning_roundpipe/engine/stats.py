@@ -23,6 +23,8 @@ class StepStats:
         self.num_workers = num_workers
         self.busy: dict[int, float] = {}
         """Per worker, the fraction of the last measured step its device spent computing."""
+        self.compute_s: float | None = None
+        """Seconds the busiest device computed in the last measured batch."""
         self.bubble_in_step: float | None = None
         """Idle fraction of the workers between the measured batch's first and last kernel: the
         pipeline's own bubble, what the simulator predicts (with one worker, or synchronously; with
@@ -73,6 +75,7 @@ class StepStats:
         self.last_timeline_origin = min(host for _, host in flight.references.values())
         period = self._period(flight.call)
         busy = busy_seconds(flight)
+        self.compute_s = max(busy.values(), default=None)
         if period is not None:
             self.busy = {w: min(1.0, s / period) for w, s in busy.items()}
         moved = False

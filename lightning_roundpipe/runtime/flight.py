@@ -56,8 +56,11 @@ class Flight:
         evaluating: bool = False,
         step: int = 0,
         measure_memory: bool = False,
+        samples: int = 0,
     ) -> None:
         self.call = call
+        self.samples = samples
+        """The batch's dim-0 size (what its micro-batches split)."""
         self.step = step
         """Optimizer step the batch belongs to: which compute copy it uploads (double buffering)."""
         self.evaluating = evaluating

@@ -101,6 +101,9 @@ class OptimizerWorker:
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
         self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
+        self.last_step_s: float | None = None
+        """Host seconds the last update's math took (clipping and the optimizer's steps; not the waits for
+        gradients, nor the casts): what the devices' step must be longer than for the update to hide."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -184,13 +187,16 @@ class OptimizerWorker:
         if clip_norm or exchange is not None:
             for g in job.groups:  # the global norm needs every gradient of the step (and nodes reduce in order)
                 complete(g)
+        working = 0.0
         if clip_norm:
             assert job.spec.clip_value is not None
+            start = time.perf_counter()
             if exchange is not None:
                 total = exchange.global_norm()
             else:
                 total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
             coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
+            working += time.perf_counter() - start
         for g in job.groups:
             complete(g)
             if exchange is not None and not exchange.owns(g):
@@ -204,10 +210,13 @@ class OptimizerWorker:
                 grad.mul_(coefficient)
             self._step_group(shadow, shadows_of, g)
             job.consumed[g].set()
+            end = time.perf_counter()
+            working += end - start
             if self.trace is not None:
-                self.trace.append(("update", job.step, g, start, time.perf_counter()))
+                self.trace.append(("update", job.step, g, start, end))
         if exchange is not None:
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
+        self.last_step_s = working
 
     def _grad(self, g: int) -> torch.Tensor:
         grad = self.store.groups[g].grad

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from statistics import fmean, median
+from typing import Any
 
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
@@ -86,16 +87,24 @@ def busy_seconds(flight: Flight) -> dict[int, float]:
 
 
 class LayerProfile:
-    """Per-layer samples gathered under the profiling plan (one layer per stage)."""
+    """Per-layer samples gathered under the profiling plan (one layer per stage), by micro-batch size.
+
+    The batches measuring the layers may run at two micro-batch sizes (the engine halves the second's
+    when it chooses the micro-batch count itself): per layer, time and memory are then fitted as
+    ``a + b * samples`` through the two, which :meth:`costs` evaluates at any size. A fixed cost per
+    micro-batch (kernel launches, the host issuing a stage's work, small matrices running below the
+    device's rate) is what makes many small micro-batches slower than their samples' share; with one
+    size measured, costs scale in proportion to the samples.
+    """
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
-        self.forward: dict[int, list[float]] = defaultdict(list)
-        self.recompute: dict[int, list[float]] = defaultdict(list)
-        self.backward: dict[int, list[float]] = defaultdict(list)
-        self.activations: dict[int, list[int]] = defaultdict(list)
-        self.forward_peaks: dict[int, list[int]] = defaultdict(list)
-        self.backward_transients: dict[int, list[int]] = defaultdict(list)
+        self.samples: dict[str, dict[tuple[int, float], list[float]]] = {
+            kind: defaultdict(list)
+            for kind in ("forward", "recompute", "backward", "activations", "forward_peaks", "backward_transients")
+        }
+        self.sizes: set[float] = set()
+        """Samples per micro-batch of the batches measured (dim-0 size over the micro-batch count)."""
         self.batches = 0
 
     @staticmethod
@@ -104,36 +113,66 @@ class LayerProfile:
 
     def add(self, flight: Flight) -> None:
         stages = flight.schedule.plan.stages()
+        size = flight.samples / max(1, len(flight.targets))
+        self.sizes.add(size)
         for records in flight.records.values():
             for action, start, mid, end, saved in records:
-                layer = stages[action.slot].start
+                layer = (stages[action.slot].start, size)
                 if mid is None:
-                    self.forward[layer].append(WorkerDevice.elapsed(start, end))
+                    self.samples["forward"][layer].append(WorkerDevice.elapsed(start, end))
                 else:
-                    self.recompute[layer].append(WorkerDevice.elapsed(start, mid))
-                    self.backward[layer].append(WorkerDevice.elapsed(mid, end))
-                    self.activations[layer].append(saved)
+                    self.samples["recompute"][layer].append(WorkerDevice.elapsed(start, mid))
+                    self.samples["backward"][layer].append(WorkerDevice.elapsed(mid, end))
+                    self.samples["activations"][layer].append(saved)
         for action, nbytes in flight.memory:
-            layer = stages[action.slot].start
-            (self.forward_peaks if action.op.value == "F" else self.backward_transients)[layer].append(nbytes)
+            layer = (stages[action.slot].start, size)
+            self.samples["forward_peaks" if action.op.value == "F" else "backward_transients"][layer].append(nbytes)
         self.batches += 1
 
-    def costs(self, store: HostStore) -> LayerCosts:
-        """Median times per layer and memory from the store; the last layer's forward is its recompute
+    def costs(self, store: HostStore, samples: float | None = None) -> LayerCosts:
+        """Costs of one micro-batch of ``samples`` samples (``None``: the largest size measured). Times are
+        medians (the first micro-batches of a run carry one-offs); memory peaks the largest seen (a limit
+        must hold for every micro-batch), 0 where not measured; the last layer's forward is its recompute
         (it only runs in the fused stage, where forward and recompute are one)."""
-        L = self.num_layers
-        # medians: the first micro-batches of a run carry one-offs (library handles, allocator growth)
-        forward = [median(self.forward[i]) if self.forward[i] else median(self.recompute[i]) for i in range(L)]
-        backward = [median(self.recompute[i]) + median(self.backward[i]) for i in range(L)]
+        sizes = sorted(self.sizes)
+        at = sizes[-1] if samples is None else samples
+
+        def fitted(kind: str, layer: int, pick: Any) -> float:
+            points = [(s, pick(self.samples[kind][(layer, s)])) for s in sizes if self.samples[kind][(layer, s)]]
+            return _at(points, at)
+
+        def time(kind: str, layer: int) -> float:
+            return fitted(kind, layer, median)
+
+        forward = [
+            time("forward", i) if self._has("forward", i) else time("recompute", i) for i in range(self.num_layers)
+        ]
+        backward = [time("recompute", i) + time("backward", i) for i in range(self.num_layers)]
         params, grads = layer_bytes(store)
-        acts = [int(fmean(self.activations[i])) for i in range(L)]
-        # memory peaks: the largest seen (a limit must hold for every micro-batch), 0 where not measured
-        forward_peaks = [max(self.forward_peaks[i], default=0) for i in range(L)]
-        transients = [max(self.backward_transients[i], default=0) for i in range(L)]
+        acts = [int(fitted("activations", i, fmean)) for i in range(self.num_layers)]
+        forward_peaks = [int(fitted("forward_peaks", i, max)) for i in range(self.num_layers)]
+        transients = [int(fitted("backward_transients", i, max)) for i in range(self.num_layers)]
         return LayerCosts(
             tuple(forward), tuple(backward), tuple(params), tuple(grads), tuple(forward_peaks), tuple(acts),
             tuple(transients),
         )  # fmt: skip
+
+    def _has(self, kind: str, layer: int) -> bool:
+        return any(self.samples[kind][(layer, s)] for s in self.sizes)
+
+
+def _at(points: list[tuple[float, float]], size: float) -> float:
+    """The line ``a + b * size`` through the two extreme measured sizes (``a`` at least 0), or the one
+    size's value in proportion; 0 without points."""
+    if not points:
+        return 0.0
+    (s0, v0), (s1, v1) = points[0], points[-1]
+    if s1 > s0:
+        slope = (v1 - v0) / (s1 - s0)
+        intercept = v0 - slope * s0
+        if intercept >= 0 and slope >= 0:
+            return intercept + slope * size
+    return v1 * size / s1 if s1 > 0 else v1  # one size, or a fit that a noisy point bent: proportional
 
 
 def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:

@@ -15,7 +15,9 @@ objective's ``23|7,11,12`` 45.0k (means of the last 10 of 20 steps).
 
 from __future__ import annotations
 
-from lightning_roundpipe.schedule.partition import LayerCosts, Partition, near_optimal, partition
+from collections.abc import Callable, Sequence
+
+from lightning_roundpipe.schedule.partition import Infeasible, LayerCosts, Partition, near_optimal, partition
 from lightning_roundpipe.schedule.simulate import roundpipe
 
 PLANNERS = ("objective", "fastest")
@@ -58,3 +60,48 @@ def automatic_plan(
     if planner == "objective":
         return partition(costs, workers, microbatches, memory_limit)
     raise ValueError(f"planner={planner!r} is not one of {PLANNERS}")
+
+
+def microbatch_candidates(samples: int, workers: int, smallest: float = 1.0) -> list[int]:
+    """Micro-batch counts per round worth simulating for a batch of ``samples``: at least the workers
+    (else a worker idles; fewer only when the batch is that small), powers of two and small multiples of
+    the workers, and no micro-batch below ``smallest`` samples (the smallest size measured: costs are not
+    extrapolated below it)."""
+    if samples <= workers:
+        return [max(1, samples)]
+    counts = {workers, workers + 1, *(2**k for k in range(16)), *(k * workers for k in (2, 3, 4, 6, 8))}
+    return sorted(c for c in counts if workers <= c <= samples and samples / c >= smallest - 1e-9)
+
+
+def plan_with_microbatches(
+    costs_at: Callable[[float], LayerCosts],
+    samples: int,
+    workers: int,
+    candidates: Sequence[int],
+    memory_limit: float | None = None,
+    planner: str = "fastest",
+    asynchronous: bool = True,
+) -> tuple[int, Partition]:
+    """The micro-batch count (of ``candidates``) and plan with the shortest simulated time per batch.
+
+    ``costs_at(n)``: the layers' costs for a micro-batch of ``n`` samples. Fewer, larger micro-batches
+    launch less and keep the devices' matrices large; more, smaller ones keep less activation memory
+    per stage, so the memory limit admits a larger fused stage (less recompute) and the round-robin
+    fills more workers. Each count gets its own plan under ``memory_limit``; counts no plan fits are
+    skipped (all infeasible: the last :class:`Infeasible` is raised)."""
+    best: tuple[tuple[float, int], Partition] | None = None
+    refused: Infeasible | None = None
+    for count in candidates:
+        costs = costs_at(samples / count)
+        try:
+            chosen = automatic_plan(costs, workers, count, memory_limit, planner, asynchronous)
+        except Infeasible as e:
+            refused = e
+            continue
+        period = roundpipe(costs, chosen.plan, workers, count, asynchronous=asynchronous).period
+        if best is None or (period, count) < best[0]:
+            best = ((period, count), chosen)
+    if best is None:
+        assert refused is not None
+        raise refused
+    return best[0][1], best[1]

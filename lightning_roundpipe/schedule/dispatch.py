@@ -92,11 +92,8 @@ def round_robin(
     """
     if num_workers < 1:
         raise ValueError(f"need at least one worker, got num_workers={num_workers}")
-    if microbatches_per_round < num_workers and not forward_only:  # (evaluation: some workers may idle)
-        raise ValueError(
-            f"a round needs at least as many micro-batches as workers (M_R >= N), got"
-            f" {microbatches_per_round} micro-batches per round for {num_workers} workers"
-        )
+    if microbatches_per_round < 1:
+        raise ValueError(f"need at least one micro-batch per round, got {microbatches_per_round}")
     if num_rounds < 1:
         raise ValueError(f"need at least one round, got num_rounds={num_rounds}")
     if not 0 <= first_worker < num_workers:

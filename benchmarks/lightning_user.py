@@ -1,0 +1,255 @@
+"""What a Lightning user gets: a Hugging Face model in an ordinary LightningModule under ``Trainer``.
+
+The module is what a newcomer writes: ``training_step`` returns ``self.model(**batch).loss`` and
+``configure_optimizers`` returns ``torch.optim.AdamW(self.parameters(), lr=1e-5)``. The model is a
+randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``), trained in
+``bf16-mixed`` on ``--seqs`` sequences of ``--seq-len`` tokens per optimizer step. Configurations:
+
+- ``plain``: ``strategy="auto"``, the model on the GPU with Hugging Face's gradient checkpointing,
+  ``AdamW(fused=True)`` on the GPU, micro-batches of ``--micro-batch`` sequences accumulated;
+- ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default);
+- ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
+  settings the issue measured);
+- ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
+  nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
+
+One process per configuration (``_driver``); ``--gpu-gib`` caps the card. Reported: tokens/s between the
+optimizer steps after ``--warmup`` (roundpipe's first steps measure the layers and choose its plan),
+GPU memory as NVML reports it (the process's card use, sampled at every step) and torch's peak, and the
+host's peak resident memory.
+
+    python benchmarks/lightning_user.py --configs plain,newcomer,tuned-4 --out benchmarks/results/lightning-user.json
+    python benchmarks/lightning_user.py --configs newcomer,tuned-4 --gpu-gib 24 --out ...-24gib.json
+
+``--device cpu --model debug`` is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _driver import add_in_process_flag, run_or_drive, write
+from qwen3_shape import SHAPES, Shape, flops_per_token, init_hf, num_parameters
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
+
+GiB = 2**30
+
+
+def qwen3(shape: Shape) -> torch.nn.Module:
+    """``Qwen3ForCausalLM`` of ``shape`` with random weights (repeated blocks: the values do not matter here,
+    and drawing 1.7 B normal numbers would take longer than the run)."""
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=1 << 18,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return init_hf(model, config, tile=1 << 20)
+
+
+class Tokens(Dataset):
+    """Random token ids as a Hugging Face batch: ``input_ids`` and ``labels`` (the model shifts them)."""
+
+    def __init__(self, vocab: int, size: int, seq_len: int) -> None:
+        self.tokens = torch.randint(0, vocab, (size, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+class LM(L.LightningModule):
+    """The LightningModule a newcomer writes (``fused``: the hand-tuned optimizer)."""
+
+    def __init__(self, model: torch.nn.Module, fused: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.fused = fused
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fused:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
+        return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+
+class Clock(L.Callback):
+    """Optimizer-step times after ``warmup`` steps, NVML's reading of the card at every step, the peaks."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.stamps: list[float] = []
+        self.nvml_gib: list[float] = []
+        self.losses: list[float] = []
+        self._handle: Any = None
+
+    def _nvml(self) -> float | None:
+        try:
+            import pynvml
+
+            if self._handle is None:
+                pynvml.nvmlInit()
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            return pynvml.nvmlDeviceGetMemoryInfo(self._handle).used / GiB
+        except Exception:  # no driver library (CPU smoke test)
+            return None
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        if torch.cuda.is_available():
+            used = self._nvml()
+            if used is not None:
+                self.nvml_gib.append(used)
+        if outputs is not None:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss))
+        if trainer.global_step == self.warmup and torch.cuda.is_available():
+            reset_peak_memory_stats(0)
+        if trainer.global_step >= self.warmup:
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is None and torch.cuda.is_available():
+                torch.cuda.synchronize()  # plain: the step's queued GPU work belongs to it
+            self.stamps.append(time.perf_counter())
+
+
+def strategy_for(config: str) -> tuple[Any, bool]:
+    """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one."""
+    if config == "plain":
+        return "auto", True
+    if config == "newcomer":
+        return "roundpipe", False
+    if config == "newcomer-split-tiled":
+        return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
+    if config.startswith("tuned-"):
+        return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
+    raise ValueError(f"unknown configuration {config!r}: plain, newcomer, newcomer-split-tiled or tuned-N")
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    shape = SHAPES[args.model]
+    cuda = args.device == "cuda"
+    if cuda and args.gpu_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
+    L.seed_everything(0, verbose=False)
+    strategy, fused = strategy_for(args.run)
+    plain = args.run == "plain"
+    model = qwen3(shape)
+    if plain:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable()
+    module = LM(model, fused=fused)
+    parameters = num_parameters(model)
+    steps = args.warmup + args.steps
+    per_batch = args.micro_batch if plain else args.seqs
+    accumulate = args.seqs // per_batch
+    data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
+    clock = Clock(args.warmup)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed",
+        max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[clock, _Remember()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    wall = time.perf_counter() - start
+    seconds = clock.stamps[-1] - clock.stamps[0]
+    timed = len(clock.stamps) - 1
+    tokens_per_s = args.seqs * args.seq_len * timed / seconds
+    result: dict[str, Any] = {
+        "tokens_per_s": tokens_per_s,
+        "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
+        "parameters": parameters,
+        "seqs": args.seqs,
+        "seq_len": args.seq_len,
+        "timed_steps": timed,
+        "fit_wall_s": wall,
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
+        "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
+        "gpu_torch_peak_gib": max_memory_allocated(0) / GiB if cuda else None,
+        "gpu_gib_cap": args.gpu_gib or None,
+        "losses": clock.losses,
+    }
+    engine_state = getattr(trainer.strategy, "_last_engine", None)
+    result.update(engine_state or {})
+    return result
+
+
+class _Remember(L.Callback):
+    """Keeps what roundpipe chose (plan, micro-batches, host step) before teardown closes the engine."""
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            return
+        engine.flush()
+        trainer.strategy._last_engine = {
+            "plan": str(engine.plan),
+            "microbatches": engine.num_microbatches,
+            "predicted_bubble": engine.planner.predicted_bubble,
+            "host_step_s": trainer.strategy.host_step_s,
+            "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
+            "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
+            "pinned_gib": engine.pool.pinned_bytes / GiB,
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="plain,newcomer,tuned-4")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4, help="plain: sequences per accumulated batch")
+    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--gpu-gib", type=float, default=0.0)
+    parser.add_argument("--config-timeout", type=float, default=0.0)
+    parser.add_argument("--out", default=None)
+    add_in_process_flag(parser)
+    args = parser.parse_args(argv)
+    results = run_or_drive(__file__, args, run_one)
+    if results is None:
+        return
+    plain = next((r for r in results if r.get("config") == "plain" and "tokens_per_s" in r), None)
+    print(f"\n{'config':24} {'tok/s':>8} {'/plain':>7} {'NVML GiB':>9} {'torch GiB':>9} {'host GiB':>9}  plan / M")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['config']:24} failed: {r.get('error', '')[-200:]}")
+            continue
+        ratio = r["tokens_per_s"] / plain["tokens_per_s"] if plain else float("nan")
+        print(
+            f"{r['config']:24} {r['tokens_per_s']:8.0f} {ratio:7.3f} {r['gpu_nvml_peak_gib'] or 0:9.2f}"
+            f" {r['gpu_torch_peak_gib'] or 0:9.2f} {r['host_peak_rss_gib']:9.2f}  {r.get('plan', '-')} / "
+            f"{r.get('microbatches', '-')}"
+        )
+    write(args.out, sys.argv[1:] if argv is None else argv, __file__, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The host optimizer at full speed: torch's fused CPU kernels by default, and its step time watched.
+
+Master weights live on the host, so the optimizer steps there. With ``fused`` and ``foreach`` left unset
+torch's Adam, AdamW, SGD and Adagrad take their one-tensor-at-a-time loop on the CPU: on the GPU
+machine's 16 cores, 1.7 B parameters of ``AdamW`` took longer than the devices' whole step, so the GPUs
+waited even with the asynchronous optimizer. Their fused CPU kernels run the same algorithm (only the
+rounding may differ), several times faster. :func:`use_fused_kernels` switches every parameter group
+that left both unset to the fused kernel; an explicit choice is kept, with one warning that gives its
+measured cost. :class:`HostStepClock` compares the host's step with the devices' and says, once, when
+the host is the slower of the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_roundpipe.runtime.callers import outside_package
+
+CALIBRATION_ELEMENTS = 1 << 22
+"""Parameters of the scratch tensor an explicit choice's cost is measured on (16 MiB in fp32)."""
+
+
+def fusable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's with a fused CPU kernel (a subclass that keeps its step)."""
+    if "fused" not in optimizer.defaults:
+        return False
+    base = next((c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")), None)
+    return base is not None and type(optimizer).step is base.step
+
+
+def _group_fusable(group: dict[str, Any]) -> bool:
+    if group.get("differentiable") or group.get("capturable"):
+        return False
+    return all(p.device.type == "cpu" and torch.is_floating_point(p) for p in group["params"])
+
+
+def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str]:
+    """Give every parameter group that left ``fused`` and ``foreach`` unset the fused kernel; warn once
+    per optimizer that chose otherwise, with the measured cost. Returns what was done, per optimizer."""
+    done = []
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        if not fusable(optimizer):
+            done.append("not fusable")
+            continue
+        unset = [g for g in optimizer.param_groups if g.get("fused") is None and g.get("foreach") is None]
+        chosen = [g for g in optimizer.param_groups if g not in unset and not g.get("fused")]
+        switched = [g for g in unset if _group_fusable(g)]
+        for group in switched:
+            group["fused"] = True
+        if switched:  # what the constructor sets up for a fused optimizer
+            optimizer._step_supports_amp_scaling = True
+            optimizer._need_device_dtype_check_for_fused = True
+        if chosen and calibrate:
+            _warn_explicit_choice(optimizer, chosen[0])
+        done.append("fused" if switched else "explicit" if chosen else "kept")
+    return done
+
+
+def _warn_explicit_choice(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    name = type(optimizer).__name__
+    choice = ", ".join(f"{k}={group[k]!r}" for k in ("fused", "foreach") if group.get(k) is not None)
+    params = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    theirs = step_seconds(optimizer, group, fused=False) * params / CALIBRATION_ELEMENTS
+    fused = step_seconds(optimizer, group, fused=True) * params / CALIBRATION_ELEMENTS
+    warnings.warn(
+        f"roundpipe steps the optimizer on the host: {name}({choice}) takes about {theirs:.2f} s per step for"
+        f" its {params / 1e9:.2f} B parameters here, its fused CPU kernel about {fused:.2f} s (measured on"
+        f" {CALIBRATION_ELEMENTS / 2**20:.0f} Mi parameters). Leave `fused` and `foreach` unset (roundpipe then"
+        f" uses the fused kernel) or pass fused=True, unless you need this choice.",
+        stacklevel=outside_package(),
+    )
+
+
+def step_seconds(optimizer: torch.optim.Optimizer, group: dict[str, Any], fused: bool) -> float:
+    """One step of ``optimizer``'s class with ``group``'s settings on a scratch tensor (best of three)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "foreach")}
+    if fused:
+        settings["fused"] = True
+    else:
+        settings["fused"], settings["foreach"] = group.get("fused"), group.get("foreach")
+    p = torch.nn.Parameter(torch.zeros(CALIBRATION_ELEMENTS))
+    p.grad = torch.full_like(p, 1e-3)
+    scratch = type(optimizer)([p], **settings)
+    scratch.step()  # state initialisation
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        scratch.step()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+class HostStepClock:
+    """The host optimizer's step time, against the devices' time for one optimizer step of compute.
+
+    When the host's step is the longer one the GPUs wait for it, even with the asynchronous optimizer
+    (which hides it only behind the next step's compute): say so once, with both times and what to do.
+    """
+
+    def __init__(self) -> None:
+        self.host_step_s: float | None = None
+        """Seconds of the last measured host optimizer step (its math; casts into compute copies excluded)."""
+        self._warned = False
+
+    @contextlib.contextmanager
+    def timing(self, device_step_s: float | None, optimizer: Any) -> Iterator[Callable[[Callable[[], Any]], Any]]:
+        """Synchronous mode: time an optimizer step, less the closure it runs (the pipeline's batch)::
+
+        with clock.timing(device_s, optimizer) as timed:
+            super().optimizer_step(optimizer, timed(closure), ...)
+        """
+        inside = [0.0]
+
+        def timed(closure: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                start = time.perf_counter()
+                try:
+                    return closure()
+                finally:
+                    inside[0] += time.perf_counter() - start
+
+            return run
+
+        start = time.perf_counter()
+        yield timed
+        self.record(time.perf_counter() - start - inside[0], device_step_s, optimizer)
+
+    def record(self, host_step_s: float | None, device_step_s: float | None, optimizer: Any = None) -> None:
+        if host_step_s is None:
+            return
+        self.host_step_s = host_step_s
+        if self._warned or device_step_s is None or device_step_s <= 0 or host_step_s <= 1.05 * device_step_s:
+            return
+        self._warned = True
+        name = type(getattr(optimizer, "_optimizer", optimizer)).__name__ if optimizer is not None else "the optimizer"
+        warnings.warn(
+            f"roundpipe: the host optimizer step ({name}) takes {host_step_s:.2f} s, longer than the"
+            f" {device_step_s:.2f} s the devices compute per optimizer step, so the GPUs wait for the host"
+            " even with the asynchronous optimizer. Use a fused optimizer kernel (torch's Adam, AdamW, SGD or"
+            " Adagrad with `fused` and `foreach` unset or fused=True), train fewer parameters (LoRA), or put"
+            " more tokens into each optimizer step (a larger batch or accumulate_grad_batches).",
+            stacklevel=outside_package(),
+        )

@@ -1,0 +1,101 @@
+"""The host optimizer runs torch's fused CPU kernel unless the user chose otherwise, and a host step
+longer than the devices' is reported once."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.host_optimizer import HostStepClock, use_fused_kernels
+
+
+class Spy(L.Callback):
+    """Counts the fused AdamW kernel's calls and records the optimizer's group settings at the start."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.settings: list[tuple] = []
+        kernel = torch._fused_adamw_
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_fused_adamw_", counted)
+
+    def on_train_start(self, trainer, pl_module):
+        self.settings = [(g["fused"], g["foreach"]) for g in trainer.optimizers[0].param_groups]
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_adamw_as_people_write_it_steps_with_the_fused_kernel(monkeypatch, async_optimizer):
+    spy = Spy(monkeypatch)
+    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer)
+    ours = fit(BoringPipeline, dict(strategy=strategy, accelerator="cpu", devices=2, callbacks=[spy], max_steps=4))
+    assert spy.settings == [(True, None)]
+    assert spy.calls >= 3  # every update ran the fused kernel (the shadow optimizer's too)
+    monkeypatch.undo()
+    plain = fit(BoringPipeline, dict(accelerator="cpu", devices=1, max_steps=4))
+    if not async_optimizer:  # same algorithm: only the rounding differs from the unfused loop
+        assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+
+
+@pytest.mark.parametrize("choice", [dict(fused=False), dict(foreach=True), dict(foreach=False)])
+def test_an_explicit_choice_is_kept_with_one_warning_giving_its_cost(choice):
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(2)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, **choice)
+    with pytest.warns(UserWarning, match=r"takes about [0-9.]+ s per step .* fused CPU kernel about [0-9.]+ s") as seen:
+        assert use_fused_kernels([optimizer]) == ["explicit"]
+    assert len([w for w in seen if "fused CPU kernel" in str(w.message)]) == 1
+    group = optimizer.param_groups[0]
+    assert group["fused"] is choice.get("fused") and group["foreach"] is choice.get("foreach")
+
+
+def test_every_torch_optimizer_with_a_fused_cpu_kernel_gets_it_and_others_are_left_alone():
+    def param() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.randn(8))]
+
+    fusable = [torch.optim.Adam(param()), torch.optim.AdamW(param()), torch.optim.SGD(param(), lr=0.1),
+               torch.optim.Adagrad(param())]  # fmt: skip
+    others = [torch.optim.RMSprop(param()), torch.optim.Adam(param(), differentiable=True)]
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    others.append(OwnStep(param()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert use_fused_kernels(fusable) == ["fused"] * 4
+        assert use_fused_kernels(others) == ["not fusable", "kept", "not fusable"]
+    for optimizer in fusable:
+        assert optimizer.param_groups[0]["fused"] is True
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # the fused kernel accepts what was switched after construction
+    assert others[0].param_groups[0]["foreach"] is None and others[1].param_groups[0]["fused"] is None
+
+
+def test_a_host_step_longer_than_the_devices_is_reported_once():
+    clock = HostStepClock()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clock.record(0.5, 1.0)  # hidden behind the devices' step: nothing to say
+        clock.record(2.0, None)  # the devices' step not measured yet
+    assert clock.host_step_s == 2.0
+    with pytest.warns(UserWarning, match=r"takes 3.00 s, longer than the 1.00 s the devices compute"):
+        clock.record(3.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clock.record(3.0, 1.0)  # once
+
+
+def test_the_strategy_reports_its_host_step_time():
+    strategy = RoundPipeStrategy(num_microbatches=3)
+    fit(BoringPipeline, dict(strategy=strategy, accelerator="cpu", devices=2, max_steps=3), boring_data())
+    assert strategy.host_step_s is not None and strategy.host_step_s > 0
