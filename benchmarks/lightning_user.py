@@ -210,6 +210,7 @@ class _Remember(L.Callback):
             "plan": str(engine.plan),
             "microbatches": engine.num_microbatches,
             "predicted_bubble": engine.planner.predicted_bubble,
+            "candidate_periods_s": {str(k): v for k, v in engine.planner.candidate_periods.items()},
             "host_step_s": trainer.strategy.host_step_s,
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),

@@ -10,6 +10,7 @@ from test_partition import random_costs, stage_memory_ok
 
 from lightning_roundpipe.schedule.choose import (
     automatic_plan,
+    exposed_round_trips,
     fastest_plan,
     microbatch_candidates,
     plan_with_microbatches,
@@ -23,6 +24,7 @@ from lightning_roundpipe.schedule.partition import (
     partition,
     spread,
 )
+from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.simulate import roundpipe
 
 
@@ -166,3 +168,16 @@ def test_candidates_keep_every_worker_busy_and_stay_within_what_was_measured():
     assert microbatch_candidates(32, 1, smallest=4) == [1, 2, 3, 4, 6, 8]  # no micro-batch below 4 samples
     assert microbatch_candidates(2, 3) == [2]  # a batch smaller than the workers
     assert microbatch_candidates(1, 1) == [1]
+
+
+def test_a_boundary_round_trip_is_charged_where_no_other_micro_batch_hides_it():
+    costs = LayerCosts((0.1,) * 4, (0.3,) * 4)  # a forward stage of one layer is 0.1 s a micro-batch
+    plan = StagePlan.parse("1,1|2,1,1")  # slots: F 0.1, F 0.1, fused 0.6, B 0.3, B 0.3
+    assert exposed_round_trips(costs, plan, 1, 0.05) == pytest.approx(4 * 0.05)  # every boundary waits
+    assert exposed_round_trips(costs, plan, 2, 0.15) == pytest.approx(2 * 0.05)  # hidden behind 0.6 and 0.3
+    assert exposed_round_trips(costs, plan, 4, 0.15) == 0.0
+    # the choice charges it: one micro-batch of everything wins until its round trips count
+    flat = lambda s: per_microbatch_costs(s, overhead=0.5)  # noqa: E731
+    assert plan_with_microbatches(flat, 32, 1, [1, 2], memory_limit=750)[0] == 1
+    charged = plan_with_microbatches(flat, 32, 1, [1, 2], memory_limit=750, round_trip=lambda s: 6e-4 * s)
+    assert charged[0] == 2 and charged[2][1] > charged[2][2]

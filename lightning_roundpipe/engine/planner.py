@@ -20,6 +20,7 @@ import warnings
 from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
+from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
@@ -110,6 +111,10 @@ class AutoPlanner:
         self._warned_lowered = False
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
         self._batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
+        self._boundary_per_sample = 0.0
+        self._upload_rate = 0.0  # bytes per second host to device, measured
+        self.candidate_periods: dict[int, float] = {}
+        """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
 
     @property
     def num_microbatches(self) -> int:
@@ -164,6 +169,7 @@ class AutoPlanner:
     def use(self, flight: Flight, store: HostStore) -> StagePlan | None:
         """Learn from a recorded batch whose work is done; returns the plan to switch to, if any."""
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
+        self._measure_transfers(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
             self.profile.add(flight)
             self._batch_samples = max(self._batch_samples, flight.samples)
@@ -181,9 +187,9 @@ class AutoPlanner:
         if self.chooses_microbatches:
             smallest = min(profile.sizes)
             candidates = microbatch_candidates(samples, self.num_workers, smallest)
-            count, chosen = plan_with_microbatches(
+            count, chosen, self.candidate_periods = plan_with_microbatches(
                 lambda size: profile.costs(store, size), samples, self.num_workers, candidates, self.memory_limit,
-                self.planner, self.asynchronous,
+                self.planner, self.asynchronous, self._round_trip,
             )  # fmt: skip
             self.microbatches_per_round = count
             self.layer_costs = profile.costs(store, samples / count)
@@ -193,6 +199,25 @@ class AutoPlanner:
             self.layer_costs, self.num_workers, self.num_microbatches, self.memory_limit, self.planner,
             self.asynchronous,
         ).plan  # fmt: skip
+
+    def _measure_transfers(self, flight: Flight, store: HostStore) -> None:
+        """A boundary's bytes per sample, and the upload rate of the first slot's weights (timed on its
+        stream): what a boundary's round trip through the host costs at another micro-batch size."""
+        if flight.boundary_bytes and flight.samples:
+            self._boundary_per_sample = flight.boundary_bytes * len(flight.targets) / flight.samples
+        if len(flight.first_upload) == 2:
+            seconds = WorkerDevice.elapsed(*flight.first_upload)
+            first = flight.schedule.stages()[0]
+            nbytes = sum(store.groups[g].compute.nbytes for g in store.groups_of(first.layers))
+            if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
+                self._upload_rate = nbytes / seconds
+
+    def _round_trip(self, samples: float) -> float:
+        """Seconds one micro-batch's boundary of ``samples`` takes down to the host and back up (0 when
+        the device's transfers were not measured: CPU workers copy nothing)."""
+        if not self._upload_rate:
+            return 0.0
+        return 2 * self._boundary_per_sample * samples / self._upload_rate
 
     def set_plan(self, plan: StagePlan, call: int) -> None:
         """Run ``plan`` from batch ``call`` on; its drift checks start afresh."""

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_roundpipe.schedule.partition import Infeasible, LayerCosts, Partition, near_optimal, partition
+from lightning_roundpipe.schedule.partition import (
+    Infeasible,
+    LayerCosts,
+    Partition,
+    near_optimal,
+    partition,
+    stage_times,
+)
+from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.simulate import roundpipe
 
 PLANNERS = ("objective", "fastest")
@@ -73,6 +81,17 @@ def microbatch_candidates(samples: int, workers: int, smallest: float = 1.0) -> 
     return sorted(c for c in counts if workers <= c <= samples and samples / c >= smallest - 1e-9)
 
 
+def exposed_round_trips(costs: LayerCosts, plan: StagePlan, microbatches: int, round_trip: float) -> float:
+    """Seconds per batch the devices wait for stage boundaries that no compute hides. A slot's first
+    micro-batch needs the previous slot's first output brought down to the host and up again (``round_trip``
+    seconds); the previous slot's other micro-batches run meanwhile and hide that much of it. With one
+    micro-batch per round nothing hides it, at every boundary. The simulator has no transfer model: this
+    is its correction when micro-batch counts are compared (24 GiB on one H200: one micro-batch of 32
+    sequences of 2048 tokens ran 0.92x four of 8)."""
+    times = stage_times(costs, plan)
+    return sum(max(0.0, round_trip - (microbatches - 1) * times[s - 1]) for s in range(1, len(times)))
+
+
 def plan_with_microbatches(
     costs_at: Callable[[float], LayerCosts],
     samples: int,
@@ -81,16 +100,20 @@ def plan_with_microbatches(
     memory_limit: float | None = None,
     planner: str = "fastest",
     asynchronous: bool = True,
-) -> tuple[int, Partition]:
-    """The micro-batch count (of ``candidates``) and plan with the shortest simulated time per batch.
+    round_trip: Callable[[float], float] | None = None,
+) -> tuple[int, Partition, dict[int, float]]:
+    """The micro-batch count (of ``candidates``) and plan with the shortest simulated time per batch, and
+    each feasible count's time.
 
     ``costs_at(n)``: the layers' costs for a micro-batch of ``n`` samples. Fewer, larger micro-batches
     launch less and keep the devices' matrices large; more, smaller ones keep less activation memory
     per stage, so the memory limit admits a larger fused stage (less recompute) and the round-robin
-    fills more workers. Each count gets its own plan under ``memory_limit``; counts no plan fits are
-    skipped (all infeasible: the last :class:`Infeasible` is raised)."""
+    fills more workers. ``round_trip(n)``: seconds a boundary of ``n`` samples takes down to the host and
+    back (:func:`exposed_round_trips`). Each count gets its own plan under ``memory_limit``; counts no
+    plan fits are skipped (all infeasible: the last :class:`Infeasible` is raised)."""
     best: tuple[tuple[float, int], Partition] | None = None
     refused: Infeasible | None = None
+    periods: dict[int, float] = {}
     for count in candidates:
         costs = costs_at(samples / count)
         try:
@@ -99,9 +122,12 @@ def plan_with_microbatches(
             refused = e
             continue
         period = roundpipe(costs, chosen.plan, workers, count, asynchronous=asynchronous).period
+        if round_trip is not None:
+            period += exposed_round_trips(costs, chosen.plan, count, round_trip(samples / count))
+        periods[count] = period
         if best is None or (period, count) < best[0]:
             best = ((period, count), chosen)
     if best is None:
         assert refused is not None
         raise refused
-    return best[0][1], best[1]
+    return best[0][1], best[1], periods
