@@ -125,7 +125,7 @@ class Clock(L.Callback):
                 self.nvml_gib.append(used)
         if outputs is not None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.losses.append(float(loss))
+            self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning's is divided by it
         if trainer.global_step == self.warmup and torch.cuda.is_available():
             reset_peak_memory_stats(0)
         if trainer.global_step >= self.warmup:

@@ -430,3 +430,24 @@ def test_a_buffer_that_does_not_fit_first_gives_back_idle_buffers_of_other_sizes
     with pytest.raises(HostMemoryError, match="host memory"):
         pool.take(6 << 20, torch.uint8)  # nothing idle is left to give back
     pool.close()
+
+
+def test_a_new_plan_gives_back_the_idle_buffers_of_the_old_one(pinned_pool, monkeypatch):
+    """Measuring at two micro-batch sizes and then running a third leaves buffers of sizes the new plan
+    never asks for: the switch unpins them at once instead of holding them until the host runs short."""
+    trimmed = []
+    trim = HostPool.trim_idle
+    monkeypatch.setattr(HostPool, "trim_idle", lambda self: trimmed.append(trim(self)) or trimmed[-1])
+    model, _ = build("forward")
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto")
+    engine.pool.pin = True
+    try:
+        held = []
+        for _ in range(4):  # measuring at 4, then 8 micro-batches; then the chosen plan, twice
+            engine.train_batch(torch.randn(8, 4), torch.randn(8, 2), F.mse_loss)
+            engine.store.clear_grads()
+            held.append(engine.pool.buffer_bytes)
+        assert len(trimmed) == 1 and trimmed[0] > 0  # at the switch, the measuring sizes' buffers
+        assert held[1] < held[0] / 4  # after the second measuring batch: only its losses are still out
+    finally:
+        engine.close()

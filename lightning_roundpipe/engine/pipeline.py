@@ -131,8 +131,7 @@ class PipelineEngine:
         return self.planner.num_microbatches  # of a batch large enough; the planner may choose it
 
     def use_exchange(self, exchange: NodeExchange) -> None:
-        """Several nodes, asynchronous mode: the optimizer thread sends each complete gradient group to its
-        owner node, updates this node's groups and broadcasts them, under the next step's compute."""
+        """Several nodes, asynchronous mode: the optimizer thread exchanges gradients and weights (nodes.py)."""
         if self.crew.optimizer is None:
             raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
         self.crew.optimizer.exchange = exchange
@@ -146,6 +145,7 @@ class PipelineEngine:
         self.planner.set_plan(plan, self.calls)
         self.stats.new_plan()  # another first slot
         self.planner.predict(self.stats.handoff)
+        self.pool.trim_idle()  # buffers of the old boundaries and micro-batch sizes would only idle
 
     # ------------------------------------------------------------------ one batch
     def train_batch(

@@ -121,6 +121,11 @@ class HostPool:
             self.buffer_bytes -= freed
         return freed  # the unpinned buffers go with the last references: ``idle`` and ``chosen`` here
 
+    def trim_idle(self) -> int:
+        """Unpin and drop every idle buffer (after a change of plan or micro-batch size, buffers of the old
+        sizes would otherwise stay until the host runs short); returns the bytes given back."""
+        return self._trim(1 << 62) if self.pin else 0
+
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D buffer of exactly ``numel`` elements (contents undefined)."""
         if numel == 0:
