@@ -26,7 +26,10 @@ class RoundPipeOptions:
 
     num_microbatches: int | None = None
     """Micro-batches per round (``M_R``), at least the number of devices: each device runs all of them for
-    its stage before the next stage goes to the next device. ``None``: devices + 1."""
+    its stage before the next stage goes to the next device. ``None``: chosen; under ``plan="auto"``
+    with the plan, from the layers measured at two micro-batch sizes (docs/tuning.md), otherwise
+    ``max(4, 2 x devices)``. A batch smaller than the count runs as fewer micro-batches (the same loss and
+    gradients); a count given here is lowered there, with one warning."""
     num_rounds: int = 1
     """Rounds per training batch, which is split into ``num_microbatches * num_rounds`` micro-batches
     along dim 0."""

@@ -48,7 +48,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     docs/tuning.md says when to change it.
 
     Args:
-        num_microbatches: micro-batches per round, at least the number of devices (``None``: devices + 1).
+        num_microbatches: micro-batches per round, at least the devices (``None``: chosen, with the plan).
         num_rounds: rounds per training batch (``num_microbatches * num_rounds`` micro-batches in all).
         plan: ``"auto"`` (measure the layers, then partition), a ``StagePlan`` or ``"3,3|1,2,2,2"``.
         profile_steps: batches that measure the layers before the automatic plan is made.
