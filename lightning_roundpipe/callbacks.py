@@ -152,6 +152,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
         self.layer_costs.parent.mkdir(parents=True, exist_ok=True)
         rows = {
             "plan": str(engine.plan),
+            "microbatches_per_round": engine.planner.microbatches_per_round,
             "predicted_bubble": engine.planner.predicted_bubble,
             "layers": [
                 {

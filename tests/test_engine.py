@@ -332,6 +332,8 @@ def test_bf16_autocast_on_workers_is_close_to_fp32():
 def test_batch_that_cannot_be_split_is_refused_in_the_main_thread():
     engine = engine_for(mlp(), 2, microbatches_per_round=4, num_rounds=2)
     try:
+        with pytest.raises(ValueError, match=r"a batch of 0 samples has nothing to train on"):
+            engine.train_batch(torch.randn(0, 6), torch.randn(0, 3), F.mse_loss)
         with pytest.raises(ValueError, match=r"inputs hold 8 samples but the target holds 9"):
             engine.train_batch(torch.randn(8, 6), torch.randn(9, 3), F.mse_loss)
         with pytest.raises(ValueError, match=r"disagree on the batch size"):

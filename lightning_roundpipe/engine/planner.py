@@ -130,6 +130,8 @@ class AutoPlanner:
         runs as fewer micro-batches (the loss and gradients are the same: each micro-batch weighs its share
         of the batch); a count the user gave is lowered so, with one warning. The odd batches measuring the
         layers, when the count is chosen, run twice the count (half the micro-batch size)."""
+        if samples < 1:
+            raise ValueError("a batch of 0 samples has nothing to train on; skip it before the model call")
         per_round, rounds = self.microbatches_per_round, self.num_rounds
         if self.profile is not None and self.chooses_microbatches and self._measuring_dispatched % 2 == 1:
             per_round *= 2
@@ -185,7 +187,9 @@ class AutoPlanner:
         self.profile = None
         samples = self._batch_samples or self.num_microbatches
         if self.chooses_microbatches:
-            smallest = min(profile.sizes)
+            # no micro-batch smaller than measured (nor than the full batch's twice-halved count: a short
+            # batch measured must not open hundreds of candidates to simulate on the main thread)
+            smallest = max(min(profile.sizes), samples / (4 * self.microbatches_per_round))
             candidates = microbatch_candidates(samples, self.num_workers, smallest)
             count, chosen, self.candidate_periods = plan_with_microbatches(
                 lambda size: profile.costs(store, size), samples, self.num_workers, candidates, self.memory_limit,
