@@ -52,6 +52,19 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
 
 
+def train_and_compare(engine: PipelineEngine, net: nn.Module, reference: nn.Module, batches: int) -> None:
+    """Train ``batches`` batches; after each, the engine's gradients equal plain autograd's on ``reference``."""
+    for s in range(batches):
+        x, y = batch(s)
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        for p, q in zip(net.parameters(), reference.parameters()):
+            assert relative_error(p.grad, q.grad) <= 1e-5
+        engine.store.clear_grads()
+
+
 def auto_engine(net: nn.Sequential | None = None, **kwargs) -> PipelineEngine:
     """Two CPU workers, the automatic plan after one profiled batch, 2 micro-batches per round."""
     layers = list((net if net is not None else model()).children())
@@ -74,15 +87,7 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
     )  # fmt: skip
     try:
         assert engine.plan == LayerProfile.plan(8)
-        for s in range(3):
-            x, y = batch(s)
-            engine.train_batch(x, y, F.mse_loss)
-            engine.store.install_grads()
-            reference.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            for p, q in zip(net.parameters(), reference.parameters()):
-                assert relative_error(p.grad, q.grad) <= 1e-5  # the same numbers under every plan
-            engine.store.clear_grads()
+        train_and_compare(engine, net, reference, 3)  # the same numbers under every plan
         costs = engine.planner.layer_costs
         assert costs is not None and engine.plan != LayerProfile.plan(8)
         # against the median of the others: on 2 busy cores one fast layer's sample can catch a stall
@@ -107,15 +112,7 @@ def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
     engine = PipelineEngine(list(net.children()), workers, plan="auto", profile_steps=2, check_every=0)
     try:
         assert engine.num_microbatches == 4
-        for s in range(4):
-            x, y = batch(s)
-            engine.train_batch(x, y, F.mse_loss)
-            engine.store.install_grads()
-            reference.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            for p, q in zip(net.parameters(), reference.parameters()):
-                assert relative_error(p.grad, q.grad) <= 1e-5
-            engine.store.clear_grads()
+        train_and_compare(engine, net, reference, 4)
         assert engine.planner.microbatches_per_round == 2 and engine.plan != LayerProfile.plan(8)
         costs = engine.planner.layer_costs  # at the chosen size: 4 samples per micro-batch
         assert costs is not None and 0.015 < costs.forward[4] < 0.06

@@ -43,9 +43,7 @@ class StageCompute:
     def forward(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev, m = self.device, action.microbatch
         assert m is not None
-        taken = self._take(flight, ("act", stage.start, m))
-        assert taken is not None
-        x, ready = taken
+        x, ready = self._input(flight, stage, m)
         with dev.on(dev.compute), torch.no_grad():
             weights = slot_tensors(self.slots, stage, action)
             dev.wait(dev.compute, ready)
@@ -67,13 +65,10 @@ class StageCompute:
         """The fused stage of a forward-only pass: the last layers, then the loss (or the output itself)."""
         dev, m = self.device, action.microbatch
         assert m is not None
-        taken = self._take(flight, ("act", stage.start, m))
-        assert taken is not None
-        x, x_ready = taken
+        x, x_ready = self._input(flight, stage, m)
         target = None
         if flight.loss_fn is not None:
-            target = dev.upload(flight.targets[m])
-            flight.pool.release(flight.targets[m], [target[1]])
+            target = self._target(flight, m)
             if flight.weights[m] == 0.0:  # nothing to average over (all targets ignored): adds 0, as in training
                 flight.set_loss(m, Parcel(torch.zeros((), dtype=torch.float32)))
                 return
@@ -94,11 +89,8 @@ class StageCompute:
         """Fused stage: forward through the last layers, the loss, backward; the loss and input gradients down."""
         dev, m = self.device, action.microbatch
         assert m is not None
-        taken = self._take(flight, ("act", stage.start, m))
-        assert taken is not None
-        x, x_ready = taken
-        target = dev.upload(flight.targets[m])
-        flight.pool.release(flight.targets[m], [target[1]])
+        x, x_ready = self._input(flight, stage, m)
+        target = self._target(flight, m)
         if flight.weights[m] == 0.0:
             flight.set_loss(m, Parcel(torch.zeros((), dtype=torch.float32)))
             # Nothing of this micro-batch reaches the loss: its gradients are zero.
@@ -122,9 +114,7 @@ class StageCompute:
         """Backward stage: recompute from the saved input, backward from the output gradients; input gradients down."""
         m = action.microbatch
         assert m is not None
-        taken = self._take(flight, ("act", stage.start, m))
-        assert taken is not None
-        x, x_ready = taken
+        x, x_ready = self._input(flight, stage, m)
         grads_in = self._take(flight, ("grad", stage.stop, m))
         if grads_in is None:
             # Nothing of this micro-batch reaches the loss: its gradients are zero.
@@ -201,6 +191,18 @@ class StageCompute:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
         return loss
+
+    def _input(self, flight: Flight, stage: Stage, m: int) -> tuple[Any, Any]:
+        """The stage input of micro-batch ``m`` on this device, and the event after which it is there."""
+        taken = self._take(flight, ("act", stage.start, m))
+        assert taken is not None
+        return taken
+
+    def _target(self, flight: Flight, m: int) -> tuple[Any, Any]:
+        """Micro-batch ``m``'s target on this device; its host buffers go back once the upload is done."""
+        target = self.device.upload(flight.targets[m])
+        flight.pool.release(flight.targets[m], [target[1]])
+        return target
 
     def _take(self, flight: Flight, key: tuple[str, int, int]) -> tuple[Any, Any] | None:
         """Upload a mailbox's value to this device; ``None`` if it holds no value (a zero gradient)."""
