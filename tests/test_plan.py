@@ -51,3 +51,12 @@ def test_bad_plans_say_what_is_wrong(text, message):
 def test_plan_for_another_model_names_both_sizes():
     with pytest.raises(ValueError, match=r"covers 7 layers but the model has 5.*2,2\|1,1,1,1,1|3\|"):
         StagePlan.parse("3,3|1,2,2,2").check_layers(5)
+
+
+def test_a_stage_splits_in_two_and_a_one_layer_stage_does_not():
+    plan = StagePlan.parse("3,3|4,3,3")
+    assert str(plan.split(0)) == "2,1,3|4,3,3"  # a forward stage: two forward stages
+    assert str(plan.split(2)) == "3,3,2|2,2,3,3"  # the fused stage: its lower half forward and backward
+    assert str(plan.split(3)) == "3,3|4,2,1,3"  # a backward stage: two backward stages
+    with pytest.raises(ValueError, match=r"stage 1 of plan 3,1\|4,4 has one layer"):
+        StagePlan.parse("3,1|4,4").split(1)

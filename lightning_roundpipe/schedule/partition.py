@@ -28,7 +28,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from lightning_roundpipe.schedule.plan import StagePlan
+from lightning_roundpipe.schedule.plan import Stage, StageKind, StagePlan
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,21 @@ class LayerCosts:
 def stage_times(costs: LayerCosts, plan: StagePlan) -> list[float]:
     """Each slot's time under ``plan``: forward stages sum forward times, the others recompute+backward."""
     return [sum((costs.forward if s.kind.value == "F" else costs.backward)[s.start : s.stop]) for s in plan.stages()]
+
+
+def span_memory(costs: LayerCosts, start: int, stop: int, forward: bool) -> float:
+    """Bytes layers ``start..stop-1`` need on a device as one forward stage (``forward``) or one backward
+    or fused stage, under the model in this module's docstring."""
+    c = costs
+    if forward:
+        return 2 * sum(c.params[start:stop]) + max(c.forward_activations[start:stop])
+    state = sum(2 * (p + g) for p, g in zip(c.params[start:stop], c.grads[start:stop]))
+    return state + sum(c.backward_activations[start:stop]) + max(c.backward_transients[start:stop])
+
+
+def stage_memory(costs: LayerCosts, stage: Stage) -> float:
+    """Bytes ``stage`` needs on a device (:func:`span_memory`)."""
+    return span_memory(costs, stage.start, stage.stop, stage.kind is StageKind.FORWARD)
 
 
 @dataclass(frozen=True)
@@ -178,22 +193,17 @@ def spread(plan: StagePlan, workers: int) -> StagePlan:
     stage. Splitting the fused stage hands its lower half to a new forward stage and a new backward
     stage (two slots; only while that does not overshoot). No stage gets slower and the objective,
     which charges fewer slots than workers as ``workers``, does not change."""
-    forward, backward = list(plan.forward), list(plan.backward)
-    while len(forward) + len(backward) < workers:
-        sizes = [(n, "f", i) for i, n in enumerate(forward) if n > 1]
-        sizes += [(n, "b", i) for i, n in enumerate(backward) if i > 0 and n > 1]
+    while plan.num_slots < workers:
+        # the largest stage, forward ones first and later ones first among equals
+        sizes = [(n, 1, i, i) for i, n in enumerate(plan.forward) if n > 1]
+        sizes += [(n, 0, i, len(plan.forward) + i) for i, n in enumerate(plan.backward) if i > 0 and n > 1]
         if sizes:
-            n, side, i = max(sizes)
-            parts = forward if side == "f" else backward
-            parts[i : i + 1] = [n - n // 2, n // 2]
-        elif backward[0] > 1 and len(forward) + len(backward) + 2 <= workers:  # adds two slots
-            lower = backward[0] // 2
-            backward[0] -= lower
-            forward.append(lower)
-            backward.insert(1, lower)
+            plan = plan.split(max(sizes)[3])
+        elif plan.backward[0] > 1 and plan.num_slots + 2 <= workers:  # the fused stage: adds two slots
+            plan = plan.split(len(plan.forward))
         else:
             break
-    return StagePlan(tuple(forward), tuple(backward))
+    return plan
 
 
 class _Packer:
@@ -303,11 +313,10 @@ def brute_force(costs: LayerCosts, workers: int, microbatches: int, memory_limit
     L = c.num_layers
 
     def fwd_ok(a: int, b: int) -> bool:
-        return 2 * sum(c.params[a:b]) + max(c.forward_activations[a:b]) <= limit
+        return span_memory(c, a, b, forward=True) <= limit
 
     def bwd_ok(a: int, b: int) -> bool:
-        state = sum(2 * (p + g) for p, g in zip(c.params[a:b], c.grads[a:b]))
-        return state + sum(c.backward_activations[a:b]) + max(c.backward_transients[a:b]) <= limit
+        return span_memory(c, a, b, forward=False) <= limit
 
     def fronts(n: int, ok, time) -> dict[int, float]:
         """Over all ways to cut layers 0..n-1 into contiguous stages: stage count -> least max stage time."""

@@ -135,6 +135,23 @@ class StagePlan:
         """
         return tuple(s.start for s in self.stages() if s.kind is StageKind.BACKWARD)
 
+    def split(self, slot: int) -> StagePlan:
+        """This plan with stage ``slot`` cut in two (the larger half first in its partition's order): a
+        forward or backward stage becomes two of its kind; the fused stage hands its lower half to a new
+        forward stage and a new backward stage (two slots). A one-layer stage cannot be cut."""
+        forward, backward = list(self.forward), list(self.backward)
+        side, i = (forward, slot) if slot < len(forward) else (backward, slot - len(forward))
+        n = side[i]
+        if n < 2:
+            raise ValueError(f"stage {slot} of plan {self} has one layer: it cannot be split")
+        if side is backward and i == 0:
+            backward[0] -= n // 2
+            forward.append(n // 2)
+            backward.insert(1, n // 2)
+        else:
+            side[i : i + 1] = [n - n // 2, n // 2]
+        return StagePlan(tuple(forward), tuple(backward))
+
     def check_layers(self, num_layers: int) -> None:
         """Refuse a plan made for a different number of layers, naming both numbers."""
         if self.num_layers != num_layers:
