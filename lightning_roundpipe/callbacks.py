@@ -40,6 +40,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
     - ``roundpipe/host_step_s``: seconds of the last host optimizer step (its math; asynchronously, the
       update of the step before); longer than the devices' step means the GPUs wait for the host
     - ``roundpipe/stages``: slots per round in the current plan
+    - ``roundpipe/recovered_batches``: batches run again on a smaller plan after a device ran out of
+      memory (docs/reliability.md)
     - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
       automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
       a row the layers are measured again
@@ -100,7 +102,10 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             write_timeline(engine.stats.last_timeline, self.timeline)
         if not self._due(trainer, 0):
             return
-        metrics: dict[str, float] = {"roundpipe/stages": float(engine.plan.num_slots)}
+        metrics: dict[str, float] = {
+            "roundpipe/stages": float(engine.plan.num_slots),
+            "roundpipe/recovered_batches": float(engine.recovery.recovered),
+        }
         for worker, busy in engine.stats.busy.items():
             metrics[f"roundpipe/busy_worker{worker}"] = busy
         if engine.stats.busy:

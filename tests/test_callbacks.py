@@ -32,6 +32,7 @@ def test_monitor_logs_and_writes_files(tmp_path):
         "roundpipe/bubble_measured",
         "roundpipe/bubble_predicted",
         "roundpipe/stages",
+        "roundpipe/recovered_batches",
         "roundpipe/h2d_gbps",
         "roundpipe/host_rss_gib",
         "roundpipe/drift",

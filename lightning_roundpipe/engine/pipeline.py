@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,16 +26,18 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.engine.crew import Crew
 from lightning_roundpipe.engine.evaluation import Evaluator
+from lightning_roundpipe.engine.launch import Attempt, Batch, Launcher
 from lightning_roundpipe.engine.planner import AutoPlanner
+from lightning_roundpipe.engine.recovery import Recovery
 from lightning_roundpipe.engine.state import engine_state, load_engine_state
 from lightning_roundpipe.engine.stats import StepStats
 from lightning_roundpipe.engine.steps import StepChain, double_buffering
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.flight import Flight
-from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
+from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, batch_size
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
 from lightning_roundpipe.runtime.workers import PipelineAborted
@@ -113,6 +116,10 @@ class PipelineEngine:
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan, buffers
         )
         self.crew.when_aborted(self.steps.open_gates)
+        self.recovery = Recovery(self.planner, self.steps, self.store, self.crew)
+        self.launcher = Launcher(
+            self.store, self.pool, self.crew, self.steps, self.planner, overlap, self.recovery.guards, self._give_back
+        )
         self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, self.planner, overlap)
         self.stats = StepStats(self.num_workers)
         self.dispatch_position = 0
@@ -120,7 +127,6 @@ class PipelineEngine:
         self.calls = 0
         """Batches run so far; part of every layer's random seed."""
         self._recording: list[Flight] = []
-        self._warned_empty = False
 
     @property
     def plan(self) -> StagePlan:
@@ -167,27 +173,17 @@ class PipelineEngine:
         self.steps.check_open()
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
-        samples = batch_size(inputs, "the inputs")
-        per_round, rounds = self.planner.counts(samples)
-        how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
-        mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
-        weights = microbatch_weights(mb_targets, mb_inputs, reduction)
-        if not any(weights) and not self._warned_empty:
-            self._warned_empty = True
-            warnings.warn(
-                "a batch has nothing to average the loss over (the reduction counted 0 items); its loss is 0"
-                " and it adds no gradient. Plain PyTorch would give NaN here.",
-                stacklevel=2,
-            )
-        # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
-        staged = self.pool.stage_all([*mb_targets, *mb_inputs])
-        flight = self._flight(
-            staged[: len(mb_targets)], staged[len(mb_targets) :], weights, loss_fn, grad_scale, (samples, rounds)
-        )
-        tasks = self.crew.launch(flight, settle=not self.asynchronous)
-        self.dispatch_position = flight.schedule.next_first_worker
-        self.calls += 1
-        if self.asynchronous:
+        batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"))
+        start = self.dispatch_position
+        attempt = self._launch(batch, self.calls, start)
+        flight, self.calls = attempt.flight, self.calls + 1
+        if attempt.mark is not None:  # settles; out of device memory it runs again on a smaller plan
+            relaunch = partial(self._relaunch, batch, flight.call, start)
+            flight = self.recovery.settle(attempt, relaunch, None if self.asynchronous else self._recover)
+            if self.asynchronous:
+                self.steps.joined(flight, last_of_step)
+            self.recovery.succeeded(batch.microbatch_elements(len(flight.targets)))
+        elif self.asynchronous:
             self.steps.joined(flight, last_of_step)
             try:
                 loss = flight.wait_losses()
@@ -196,50 +192,36 @@ class PipelineEngine:
             self.crew.prune()
             self.stats.returned()
             return loss
-        self.crew.settle(tasks, lambda: self._recover(flight))
+        else:
+            self.crew.settle(attempt.tasks, lambda: self._recover(flight))
         self._harvest(wait=True)
         loss = flight.batch_loss()
         self.stats.returned()
         return loss
 
-    def _flight(
-        self,
-        targets: list[Parcel],
-        inputs: list[Parcel],
-        weights: list[float],
-        loss_fn: Callable[[Any, Any], Tensor],
-        grad_scale: float,
-        shape: tuple[int, int],
-    ) -> Flight:
-        """The next batch's flight, its inputs posted; the staged parcels are its own from here on."""
-        flight = None
-        try:  # until the flight owns the staged parcels, a failure (or Ctrl-C) gives them back here
-            if not self.asynchronous:
-                self.store.sync_compute()
-            samples, rounds = shape  # the batch's dim-0 size and rounds
-            schedule = self.schedule(self.dispatch_position, len(inputs) // rounds, rounds)
-            self.steps.spare_first_slot(schedule.plan)
-            record = self.planner.records(self.calls)
-            flight = self.steps.flight(
-                self.calls, schedule, targets, weights, grad_scale=grad_scale, loss_fn=loss_fn, record=record,
-                measure_memory=record and self.planner.measuring, samples=samples,
-            )  # fmt: skip
-            if record:
-                self._recording.append(flight)
-            for m, parcel in enumerate(inputs):
-                flight.put(("act", 0, m), parcel)
-        except BaseException:
-            for parcel in (*targets, *inputs):
-                self.pool.release(parcel)  # a parcel the flight already gave back holds no buffers
-            if flight is not None:  # built, never dispatched: its gates in the gradient chain would never open
-                if flight in self._recording:
-                    self._recording.remove(flight)
-                if not self.asynchronous:
-                    self._recover(flight)
-                else:
-                    self.crew.failed = True
-            raise
-        return flight
+    def _launch(self, batch: Batch, call: int, first_worker: int, skip: frozenset[int] | None = None) -> Attempt:
+        """Dispatch ``batch`` as batch number ``call`` (``skip``: it runs again, those groups done)."""
+        attempt = self.launcher.launch(batch, call, first_worker, skip is not None, skip or frozenset())
+        self.dispatch_position = attempt.flight.schedule.next_first_worker
+        if attempt.flight.record:
+            self._recording.append(attempt.flight)
+        return attempt
+
+    def _relaunch(
+        self, batch: Batch, call: int, first_worker: int, failed: Flight, skip: frozenset[int], plan: StagePlan
+    ) -> Attempt:
+        """Run batch ``call`` again on ``plan`` after ``failed`` ran out of device memory."""
+        if failed in self._recording:
+            self._recording.remove(failed)
+        self.set_plan(plan)
+        return self._launch(batch, call, first_worker, skip)
+
+    def _give_back(self, flight: Flight) -> None:
+        """A flight built but never dispatched: its gates in the gradient chain would never open."""
+        if not self.asynchronous:
+            self._recover(flight)
+        else:
+            self.crew.failed = True
 
     def _harvest(self, wait: bool = False) -> None:
         """Use the timings of recorded batches whose work is done (``wait``: wait for them)."""

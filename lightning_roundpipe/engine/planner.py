@@ -16,17 +16,17 @@ calls it between batches only; it does no device work and starts no thread.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
-from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.profile import LayerProfile, drift, stage_times
+from lightning_roundpipe.runtime.profile import LayerProfile, TransferRate, drift, stage_times
 from lightning_roundpipe.schedule.choose import PLANNERS, automatic_plan, microbatch_candidates, plan_with_microbatches
-from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.partition import Infeasible, LayerCosts, stage_memory
 from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.simulate import simulate
@@ -90,6 +90,8 @@ class AutoPlanner:
         self.planner, self.memory_limit = planner, memory_limit
         self.profile: LayerProfile | None = LayerProfile(num_layers) if self.auto else None
         """Samples of the batches measuring the layers, while they run (``None`` otherwise)."""
+        self.fitted: LayerProfile | None = None
+        """The last completed measurement (what :meth:`shrink` plans from again)."""
         self.layer_costs: LayerCosts | None = None
         """Measured per-layer costs (after profiling), what the plan was computed from."""
         self.predicted_bubble: float | None = None
@@ -111,8 +113,8 @@ class AutoPlanner:
         self._warned_lowered = False
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
         self._batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
-        self._boundary_per_sample = 0.0
-        self._upload_rate = 0.0  # bytes per second host to device, measured
+        self._sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
+        self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
 
@@ -171,10 +173,11 @@ class AutoPlanner:
     def use(self, flight: Flight, store: HostStore) -> StagePlan | None:
         """Learn from a recorded batch whose work is done; returns the plan to switch to, if any."""
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
-        self._measure_transfers(flight, store)
+        self.transfers.measure(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
             self.profile.add(flight)
             self._batch_samples = max(self._batch_samples, flight.samples)
+            self._sample_elements = max(self._sample_elements, flight.sample_elements)
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
@@ -184,44 +187,60 @@ class AutoPlanner:
 
     def _plan_from(self, profile: LayerProfile, store: HostStore) -> StagePlan:
         """The plan (and, when chosen, the micro-batch count) from the measured layers."""
-        self.profile = None
-        samples = self._batch_samples or self.num_microbatches
+        self.profile, self.fitted = None, profile
+        return self._choose(profile, store, self._batch_samples or self.num_microbatches, self.memory_limit)
+
+    def _choose(
+        self, profile: LayerProfile, store: HostStore, samples: int, limit: float | None, scale: float = 1.0
+    ) -> StagePlan:
+        """The plan (and, when chosen, the micro-batch count) for batches of ``samples`` under ``limit``,
+        each sample costing ``scale`` measured ones (then without the first micro-batch's one-off memory:
+        see :meth:`LayerProfile.costs`). Raises ``Infeasible`` when no plan fits."""
         if self.chooses_microbatches:
             # no micro-batch smaller than measured (nor than the full batch's twice-halved count: a short
             # batch measured must not open hundreds of candidates to simulate on the main thread)
             smallest = max(min(profile.sizes), samples / (4 * self.microbatches_per_round))
             candidates = microbatch_candidates(samples, self.num_workers, smallest)
             count, chosen, self.candidate_periods = plan_with_microbatches(
-                lambda size: profile.costs(store, size), samples, self.num_workers, candidates, self.memory_limit,
-                self.planner, self.asynchronous, self._round_trip,
+                lambda size: profile.costs(store, size * scale, scale == 1), samples, self.num_workers, candidates,
+                limit, self.planner, self.asynchronous, self.transfers.round_trip,
             )  # fmt: skip
             self.microbatches_per_round = count
-            self.layer_costs = profile.costs(store, samples / count)
+            self.layer_costs = profile.costs(store, samples / count * scale, scale == 1)
             return chosen.plan
-        self.layer_costs = profile.costs(store, samples / max(1, min(samples, self.num_microbatches)))
-        return automatic_plan(
-            self.layer_costs, self.num_workers, self.num_microbatches, self.memory_limit, self.planner,
-            self.asynchronous,
+        costs = profile.costs(store, samples / max(1, min(samples, self.num_microbatches)) * scale, scale == 1)
+        plan = automatic_plan(
+            costs, self.num_workers, self.num_microbatches, limit, self.planner, self.asynchronous
         ).plan  # fmt: skip
+        self.layer_costs = costs
+        return plan
 
-    def _measure_transfers(self, flight: Flight, store: HostStore) -> None:
-        """A boundary's bytes per sample, and the upload rate of the first slot's weights (timed on its
-        stream): what a boundary's round trip through the host costs at another micro-batch size."""
-        if flight.boundary_bytes and flight.samples:
-            self._boundary_per_sample = flight.boundary_bytes * len(flight.targets) / flight.samples
-        if len(flight.first_upload) == 2:
-            seconds = WorkerDevice.elapsed(*flight.first_upload)
-            first = flight.schedule.stages()[0]
-            nbytes = sum(store.groups[g].compute.nbytes for g in store.groups_of(first.layers))
-            if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
-                self._upload_rate = nbytes / seconds
-
-    def _round_trip(self, samples: float) -> float:
-        """Seconds one micro-batch's boundary of ``samples`` takes down to the host and back up (0 when
-        the device's transfers were not measured: CPU workers copy nothing)."""
-        if not self._upload_rate:
-            return 0.0
-        return 2 * self._boundary_per_sample * samples / self._upload_rate
+    # ------------------------------------------------------------------ out of device memory
+    def shrink(self, flight: Flight, store: HostStore) -> StagePlan | None:
+        """After ``flight`` (a guarded batch) ran out of device memory: the plan to run it again on, with
+        the micro-batch count and memory limit changed to need less; ``None`` when nothing smaller is
+        left. Measured memory first: the limit becomes 80% of what the failing stage was predicted to
+        need at the failed batch's micro-batch size (its samples scaled by how much larger they are than
+        the measured ones), and the plan and count are chosen again under it. Without that (a batch
+        that was measuring the layers) or when no plan fits it: twice the micro-batches, or where each
+        holds one sample already, the failing stage cut in two."""
+        samples = max(self._batch_samples, flight.samples)
+        scale = max(1.0, flight.sample_elements / self._sample_elements) if self._sample_elements else 1.0
+        if self.fitted is not None and self.profile is None:
+            size = flight.samples / len(flight.targets) * scale
+            stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]
+            need = stage_memory(self.fitted.costs(store, size, scale == 1), stage)
+            if need > 0:
+                limit = 0.8 * min(need, self.memory_limit or need)
+                with contextlib.suppress(Infeasible):
+                    plan = self._choose(self.fitted, store, samples, limit, scale)
+                    self.memory_limit = limit
+                    return plan
+        if (per_round := flight.schedule.microbatches_per_round) * flight.schedule.num_rounds < flight.samples:
+            self.microbatches_per_round = max(self.microbatches_per_round, 2 * per_round)
+            return self.plan
+        stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]  # one sample per micro-batch already:
+        return flight.schedule.plan.split(stage.slot) if len(stage.layers) > 1 and self.profile is None else None
 
     def set_plan(self, plan: StagePlan, call: int) -> None:
         """Run ``plan`` from batch ``call`` on; its drift checks start afresh."""
@@ -235,6 +254,7 @@ class AutoPlanner:
         self.plan = LayerProfile.plan(self.num_layers)
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
         self._measuring_dispatched = self._batch_samples = 0
+        self._sample_elements = 0.0
 
     def predict(self, handoff: float | None) -> None:
         """The simulator's bubble ratio for the current plan, measured layer costs and ``handoff``."""

@@ -34,6 +34,7 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "offset_checked": planner.offset_checked,
         "profiling": planner.measuring,
         "microbatches_per_round": planner.microbatches_per_round,
+        "memory_limit": planner.memory_limit,  # lowered where a batch ran out of device memory
     }
     if steps.asynchronous and steps.pending_casts():
         stash = engine.evaluator.stash or {}  # saved during validation: the copies set aside are the ones
@@ -67,6 +68,9 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
             if reference is not None and len(reference) == plan.num_slots:
                 planner.reference, planner.drifted = list(reference), int(state.get("drifted", 0))
         planner.offset_checked = bool(state.get("offset_checked", False))
+        saved = state.get("memory_limit")
+        if saved is not None and (planner.memory_limit is None or saved < planner.memory_limit):
+            planner.memory_limit = float(saved)  # what the run learnt from running out of device memory
     compute = state.get("compute")
     if compute is not None and not engine.steps.asynchronous:
         raise ValueError(

@@ -201,6 +201,21 @@ class StepChain:
         self.cast_done = {step - 1: cast_done}
         self.optimizer.submit(UpdateJob(step - 1, None, order, {}, {}, cast_done, self.windows[step]))
 
+    # ------------------------------------------------------------------ a batch run again
+    def mark(self) -> tuple[set[int], dict[int, Gate]]:
+        """What building a flight changes here (the groups whose next write overwrites, the gradient
+        chain), taken before a guarded batch's flight is built: :meth:`roll_back` returns to it."""
+        return set(self.store.fresh_grads), dict(self.grad_chain)
+
+    def roll_back(self, mark: tuple[set[int], dict[int, Gate]], landed: set[int]) -> None:
+        """Take a failed batch out of the chain. The groups in ``landed`` hold its gradient now (the next
+        attempt skips them); the others are as before it, so whatever the failed attempt half wrote into
+        a group it was the first to write is overwritten again."""
+        fresh, chain = mark
+        self.store.fresh_grads = fresh - landed
+        self.grad_chain.clear()
+        self.grad_chain.update(chain)
+
     # ------------------------------------------------------------------ failures
     def open_gates(self) -> None:
         """After an abort: wake the optimizer thread wherever it waits."""

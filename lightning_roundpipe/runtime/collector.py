@@ -33,6 +33,8 @@ class GradJob:
     done: Gate
     zero: list[int] = field(default_factory=list)
     """Groups this slot was the first to write but no gradient reached: their host gradient is zeroed."""
+    landed: Callable[[], None] | None = None
+    """Called once the job's gradients are on the host for good (its flight counts them)."""
 
 
 class GradCollector:
@@ -89,6 +91,8 @@ class GradCollector:
                     self.device.pool.give(staged)
                 if self.log is not None:
                     self.log.append((waited, started, time.perf_counter(), added))
+                if job.landed is not None:
+                    job.landed()
                 job.done.set()
             except PipelineAborted:
                 pass

@@ -76,6 +76,9 @@ class WorkerDevice:
     def synchronize(self) -> None:
         """Wait for everything issued on this device."""
 
+    def release_cached(self) -> None:
+        """Give the allocator's unused cached blocks back (after a batch ran out of memory)."""
+
     def timer(self, stream: Any) -> Any:
         """A point in time on ``stream`` for :meth:`elapsed` and :meth:`since`. The CPU stand-in notes
         the clock and how long the worker has waited for another worker so far (CPU workers share one
@@ -261,6 +264,10 @@ class CudaWorkerDevice(WorkerDevice):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def release_cached(self) -> None:
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def timer(self, stream: Any) -> Any:
         event = torch.cuda.Event(enable_timing=True)

@@ -124,6 +124,9 @@ class StageExecutor:
                             e.add_note(self._out_of_memory_note(action))
                         if isinstance(e, HostMemoryError) and flight.measure_memory:
                             e.add_note(MEASURING_NOTE)
+                    if flight.recovers_from(e):  # this batch alone stops; the engine runs it again
+                        flight.fail(e, action, self.device.device)
+                        raise PipelineAborted from None
                     raise
             if settle:
                 for gate in self._unloads.collecting:

@@ -6,11 +6,17 @@ event after which they are valid) through mailboxes keyed like
 releases the key with the upload's event; after the last reader the host buffers go back to the pool,
 to be reused once those uploads finished. So the host holds only the stage inputs still needed.
 Gradient downloads are ordered per flat group by a chain of gates fixed when the flight is built.
+
+A *guarded* flight can fail alone: a device running out of memory in one of its actions stops this
+batch only (its own gates open, the engine's abort stays clear), and the engine runs it again
+(:mod:`~lightning_roundpipe.engine.recovery`). For that the flight counts which of its gradient
+writes landed on the host, so a second attempt neither adds a group twice nor leaves one out.
 """
 
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +25,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
-from lightning_roundpipe.runtime.workers import Gate
+from lightning_roundpipe.runtime.workers import EitherEvent, Gate
 from lightning_roundpipe.schedule.dataflow import Key, consumer_counts
 from lightning_roundpipe.schedule.dispatch import Schedule
 from lightning_roundpipe.schedule.plan import StageKind
@@ -57,10 +63,15 @@ class Flight:
         step: int = 0,
         measure_memory: bool = False,
         samples: int = 0,
+        guarded: bool = False,
+        skip: frozenset[int] = frozenset(),
+        sample_elements: float = 0.0,
     ) -> None:
         self.call = call
         self.samples = samples
         """The batch's dim-0 size (what its micro-batches split)."""
+        self.sample_elements = sample_elements
+        """Input elements per sample (tokens, for a language model): how large its samples are."""
         self.step = step
         """Optimizer step the batch belongs to: which compute copy it uploads (double buffering)."""
         self.evaluating = evaluating
@@ -71,7 +82,7 @@ class Flight:
         self.weights = weights
         self.grad_scale = grad_scale
         self.loss_fn = loss_fn
-        self.abort = abort
+        self._guard(abort, guarded, skip)
         self.pool = pool
         self.losses: list[Parcel | None] = [None] * len(targets)
         self._gates: list[Gate] = []
@@ -108,14 +119,28 @@ class Flight:
         gradients are copied straight into the host buffer instead of added to it."""
         if not evaluating:
             self._join_gradient_chain(grad_chain, groups_of_slot, fresh_grads)
+        self._count_uploads(groups_of_slot)
+
+    def _guard(self, abort: threading.Event, guarded: bool, skip: frozenset[int]) -> None:
+        self.guarded = guarded
+        """Out of device memory, this batch alone stops (:meth:`fail`) and the engine runs it again."""
+        self._faulted = threading.Event()
+        self.abort = EitherEvent(abort, self._faulted) if guarded else abort
+        """The engine's abort, or for a guarded flight either it or this flight's own :meth:`fail`."""
+        self.fault: BaseException | None = None
+        """The error that stopped this guarded flight alone; :attr:`fault_at` says where."""
+        self.fault_at: tuple[Any, Any] = (None, None)
+        """(action, device) of :attr:`fault`."""
+        self.host_writes = HostWrites(skip)
+
+    def _count_uploads(self, groups_of_slot: Callable[[int], tuple[int, ...]]) -> None:
         self._uploads_left: dict[int, int] = {}
         """Per trainable group, how many of this flight's uploads of it are still to be issued. Counted,
         not "the last in schedule order": slots prefetch their weights, so a later slot's upload on one
         worker can come before an earlier slot's on another."""
-        for _ in range(schedule.num_rounds):
-            for stage in schedule.stages():
-                for g in groups_of_slot(stage.slot):
-                    self._uploads_left[g] = self._uploads_left.get(g, 0) + 1
+        for stage in self.schedule.stages() * self.schedule.num_rounds:
+            for g in groups_of_slot(stage.slot):
+                self._uploads_left[g] = self._uploads_left.get(g, 0) + 1
         self._uploaded = {g: (self.gate(), []) for g in self._uploads_left}
         """Per trainable group: open once every upload of it was issued, and their events."""
 
@@ -128,7 +153,7 @@ class Flight:
             for stage in self.schedule.stages():
                 if stage.kind is StageKind.FORWARD:
                     continue
-                groups = groups_of_slot(stage.slot)
+                groups = self.host_writes.planned((rnd, stage.slot), groups_of_slot(stage.slot))
                 done = self.gate()
                 waits = [grad_chain[g] for g in groups if g in grad_chain]
                 self.grad_order[(rnd, stage.slot)] = (waits, done)
@@ -223,6 +248,21 @@ class Flight:
             if parcel is not None:
                 self.pool.release(parcel, [parcel.ready])
 
+    # ------------------------------------------------------------------ failing alone (guarded flights)
+    def recovers_from(self, error: BaseException) -> bool:
+        """Whether ``error`` stops only this batch: a guarded flight's device out of memory."""
+        return self.guarded and isinstance(error, torch.OutOfMemoryError)
+
+    def fail(self, error: BaseException, action: Any, device: Any) -> None:
+        """Stop this batch alone: every thread waiting on it wakes and stops; the first error is kept.
+        Its frames' locals are dropped (they hold the device tensors the next attempt needs room for)."""
+        with self._lock:
+            if self.fault is None:
+                traceback.clear_frames(error.__traceback__)
+                self.fault, self.fault_at = error, (action, device)
+        self._faulted.set()
+        self.open_all_gates()
+
     def open_all_gates(self) -> None:
         """After an abort: wake every thread waiting on this flight."""
         for gate in self._gates:
@@ -242,3 +282,48 @@ class Flight:
             total = total + parcel.value.float()
             self.pool.release(parcel)
         return total
+
+
+class HostWrites:
+    """Which of a flight's gradient writes reached the host for good: what the next attempt of a batch
+    that failed needs, so that it neither adds a group twice nor leaves one out."""
+
+    def __init__(self, skip: frozenset[int] = frozenset()) -> None:
+        self.skip = skip
+        """Trainable groups whose gradients an earlier attempt of this batch already put on the host."""
+        self.by_slot: dict[tuple[int, int], tuple[int, ...]] = {}
+        """Per slot, the trainable groups whose gradients it writes to the host."""
+        self.expected: dict[int, int] = {}
+        """Per group, how many gradient writes the flight makes (one per round)."""
+        self.landed: dict[int, int] = {}
+        """Per group, how many of them are on the host."""
+        self.summing: dict[tuple[int, int], tuple[int, ...]] = {}
+        """Per slot whose gradients a device is summing into the host's, its groups until its job landed:
+        a batch stopped there leaves those host gradients half summed."""
+        self._lock = threading.Lock()
+
+    def planned(self, key: tuple[int, int], groups: tuple[int, ...]) -> tuple[int, ...]:
+        """Slot ``key`` will write ``groups`` (those not skipped, which it returns)."""
+        self.by_slot[key] = tuple(g for g in groups if g not in self.skip)
+        for g in self.by_slot[key]:
+            self.expected[g] = self.expected.get(g, 0) + 1
+        return self.by_slot[key]
+
+    def slot_landed(self, key: tuple[int, int]) -> None:
+        """The gradient writes of slot ``key`` are on the host (the collector calls this)."""
+        with self._lock:
+            self.summing.pop(key, None)
+            for g in self.by_slot.get(key, ()):
+                self.landed[g] = self.landed.get(g, 0) + 1
+
+    def complete(self, rounds: int) -> tuple[set[int], str | None]:
+        """Once no thread runs the flight: the groups whose writes all landed, and why another attempt
+        could not be exact (``None`` if it can): a group with some but not all of its ``rounds`` writes
+        on the host, or one half summed by a device."""
+        if self.summing:
+            groups = sorted({g for groups in self.summing.values() for g in groups})
+            return set(), f"the gradients of groups {groups} were being summed into the host's when it stopped"
+        partial = sorted(g for g, n in self.landed.items() if n < self.expected[g])
+        if partial:
+            return set(), f"groups {partial} had some but not all of their {rounds} rounds' gradients on the host"
+        return set(self.landed), None

@@ -103,6 +103,10 @@ class LayerProfile:
             kind: defaultdict(list)
             for kind in ("forward", "recompute", "backward", "activations", "forward_peaks", "backward_transients")
         }
+        self._first: dict[str, dict[tuple[int, float], list[float]]] = {
+            kind: defaultdict(list) for kind in ("forward_peaks", "backward_transients")
+        }
+        """Memory peaks of the first batch's first micro-batch (they carry the run's one-off allocations)."""
         self.sizes: set[float] = set()
         """Samples per micro-batch of the batches measured (dim-0 size over the micro-batch count)."""
         self.batches = 0
@@ -126,19 +130,26 @@ class LayerProfile:
                     self.samples["activations"][layer].append(saved)
         for action, nbytes in flight.memory:
             layer = (stages[action.slot].start, size)
-            self.samples["forward_peaks" if action.op.value == "F" else "backward_transients"][layer].append(nbytes)
+            kind = "forward_peaks" if action.op.value == "F" else "backward_transients"
+            # a run's first micro-batch allocates one-offs (the matrix library's workspace): kept aside
+            # for :meth:`costs` to leave out where it scales to much larger samples
+            first = self.batches == 0 and action.microbatch == 0
+            (self._first if first else self.samples)[kind][layer].append(nbytes)
         self.batches += 1
 
-    def costs(self, store: HostStore, samples: float | None = None) -> LayerCosts:
+    def costs(self, store: HostStore, samples: float | None = None, one_offs: bool = True) -> LayerCosts:
         """Costs of one micro-batch of ``samples`` samples (``None``: the largest size measured). Times are
         medians (the first micro-batches of a run carry one-offs); memory peaks the largest seen (a limit
         must hold for every micro-batch), 0 where not measured; the last layer's forward is its recompute
-        (it only runs in the fused stage, where forward and recompute are one)."""
+        (it only runs in the fused stage, where forward and recompute are one). ``one_offs=False`` leaves
+        out the first micro-batch's peaks where others were measured: they hold the run's one-off
+        allocations (the matrix library's workspace, seen on an H200), which the fit would otherwise
+        scale with the samples; for costs far beyond the measured sizes."""
         sizes = sorted(self.sizes)
         at = sizes[-1] if samples is None else samples
 
         def fitted(kind: str, layer: int, pick: Any) -> float:
-            points = [(s, pick(self.samples[kind][(layer, s)])) for s in sizes if self.samples[kind][(layer, s)]]
+            points = [(s, pick(v)) for s in sizes if (v := self._of(kind, (layer, s), one_offs))]
             return _at(points, at)
 
         def time(kind: str, layer: int) -> float:
@@ -157,8 +168,41 @@ class LayerProfile:
             tuple(transients),
         )  # fmt: skip
 
+    def _of(self, kind: str, key: tuple[int, float], one_offs: bool) -> list[float]:
+        """A layer's samples at one size; for memory peaks, with the first micro-batch's (``one_offs``, or
+        when it has no other)."""
+        first = self._first[kind][key] if kind in self._first else []
+        return self.samples[kind][key] + first if one_offs or not self.samples[kind][key] else self.samples[kind][key]
+
     def _has(self, kind: str, layer: int) -> bool:
         return any(self.samples[kind][(layer, s)] for s in self.sizes)
+
+
+class TransferRate:
+    """What a stage boundary's round trip through the host costs at any micro-batch size: a boundary's
+    bytes per sample and the upload rate of the first slot's weights, both from recorded batches."""
+
+    def __init__(self) -> None:
+        self.boundary_per_sample = 0.0
+        self.upload_rate = 0.0
+        """Bytes per second host to device (0: not measured; CPU workers copy nothing)."""
+
+    def measure(self, flight: Flight, store: HostStore) -> None:
+        if flight.boundary_bytes and flight.samples:
+            self.boundary_per_sample = flight.boundary_bytes * len(flight.targets) / flight.samples
+        if len(flight.first_upload) == 2:
+            seconds = WorkerDevice.elapsed(*flight.first_upload)
+            first = flight.schedule.stages()[0]
+            nbytes = sum(store.groups[g].compute.nbytes for g in store.groups_of(first.layers))
+            if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
+                self.upload_rate = nbytes / seconds
+
+    def round_trip(self, samples: float) -> float:
+        """Seconds one micro-batch's boundary of ``samples`` takes down to the host and back up (0 when
+        the device's transfers were not measured)."""
+        if not self.upload_rate:
+            return 0.0
+        return 2 * self.boundary_per_sample * samples / self.upload_rate
 
 
 def _at(points: list[tuple[float, float]], size: float) -> float:

@@ -9,6 +9,7 @@ settling batch, which sums them on the device (:func:`tail_slot`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -50,16 +51,18 @@ class GradientUnloads:
         overwrite = flight.overwrite[key]
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
-            if any(g in overwrite for g in loaded.grads):
+            grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
+            if any(g in overwrite for g in grads):
                 for gate in waits:  # edge 4: the previous step's update has read the gradients
                     gate.wait()
             # The tail slot sums its later writes on the device once the host sums are complete. No
             # compute is left for this worker to issue in this batch, so the wait delays no kernel.
             summed_here = key == self.tail
-            if summed_here and any(g not in overwrite for g in loaded.grads):
+            if summed_here and any(g not in overwrite for g in grads):
                 for gate in waits:  # the previous writers (edge 4 too, where it is one of them)
                     gate.wait()
-            for g, grad in loaded.grads.items():
+                flight.host_writes.summing[key] = tuple(g for g in grads if g not in overwrite)
+            for g, grad in grads.items():
                 host = self.store.groups[g].grad
                 assert host is not None
                 if g in overwrite:  # first write since cleared: straight into the host gradient
@@ -83,7 +86,8 @@ class GradientUnloads:
                 dev.keep_alive(source, dev.grad_down)
             unwritten = [] if loaded.backward_ran else sorted(overwrite)  # no gradient reached them
             del self.slots.loaded[key]  # from here the collector owns its staging buffers
-            self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten))
+            landed = partial(flight.host_writes.slot_landed, key)
+            self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten, landed))
             self.collecting.append(done)
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)

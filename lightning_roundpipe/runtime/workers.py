@@ -18,6 +18,19 @@ class PipelineAborted(Exception):
     """Raised inside workers waiting at a gate once the pipeline was aborted; never reaches users."""
 
 
+class EitherEvent:
+    """Set once either of two events is: the engine's abort or one batch's own failure (what a
+    guarded flight's gates and workers check)."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self, *events: threading.Event) -> None:
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+
 class Gate:
     """A one-shot signal between threads that an abort can open early.
 
@@ -27,7 +40,7 @@ class Gate:
 
     __slots__ = ("_abort", "_event")
 
-    def __init__(self, abort: threading.Event) -> None:
+    def __init__(self, abort: threading.Event | EitherEvent) -> None:
         self._event = threading.Event()
         self._abort = abort
 
