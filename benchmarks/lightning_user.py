@@ -7,7 +7,12 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 
 - ``plain``: ``strategy="auto"``, the model on the GPU with Hugging Face's gradient checkpointing,
   ``AdamW(fused=True)`` on the GPU, micro-batches of ``--micro-batch`` sequences accumulated;
-- ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default);
+- ``plain-liger``: ``plain`` with ``liger_kernel.transformers.apply_liger_kernel_to_qwen3()`` called before
+  the model is built (Liger's RMSNorm, rotary, SwiGLU and fused linear cross-entropy, as its README says);
+- ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default: with liger-kernel
+  installed, its kernels in the stages);
+- ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
+- ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
   settings the issue measured);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
@@ -137,15 +142,20 @@ class Clock(L.Callback):
 
 def strategy_for(config: str) -> tuple[Any, bool]:
     """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one."""
-    if config == "plain":
+    if config in ("plain", "plain-liger"):
         return "auto", True
-    if config == "newcomer":
+    if config in ("newcomer", "newcomer-chunked"):
         return "roundpipe", False
+    if config == "newcomer-nokernels":
+        return RoundPipeStrategy(kernels="none"), False
     if config == "newcomer-split-tiled":
         return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
     if config.startswith("tuned-"):
         return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
-    raise ValueError(f"unknown configuration {config!r}: plain, newcomer, newcomer-split-tiled or tuned-N")
+    raise ValueError(
+        f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
+        " newcomer-split-tiled or tuned-N"
+    )
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,7 +166,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
     L.seed_everything(0, verbose=False)
     strategy, fused = strategy_for(args.run)
-    plain = args.run == "plain"
+    plain = args.run.startswith("plain")
+    if args.run == "plain-liger":  # as Liger's README says: patch transformers' Qwen3 before building the model
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3()
     model = qwen3(shape)
     if plain:
         model.config.use_cache = False
@@ -170,7 +184,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock(args.warmup)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed",
-        max_steps=steps, accumulate_grad_batches=accumulate, callbacks=[clock, _Remember()], logger=False,
+        max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
+        callbacks=[clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else [])],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     start = time.perf_counter()
@@ -198,6 +213,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class _ChunkedLoss(L.Callback):
+    """``newcomer-chunked``: Liger's kernels in the blocks, the chunked loss in the output stage (what the
+    fused linear cross-entropy is measured against)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for layer in trainer.strategy.engine.layers:
+            if getattr(layer, "fused_loss", False):
+                layer.fused_loss = False  # a plain attribute: the workers' replicas take it at the next batch
+
+
 class _Remember(L.Callback):
     """Keeps what roundpipe chose (plan, micro-batches, host step) before teardown closes the engine."""
 
@@ -215,6 +240,9 @@ class _Remember(L.Callback):
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
+            "kernels": trainer.strategy.kernels,
+            "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
+            "recovered_batches": engine.recovery.recovered,
         }
 
 

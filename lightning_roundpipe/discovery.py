@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
+
+from lightning_roundpipe.options import RoundPipeOptions
 
 
 @dataclass
@@ -18,18 +20,29 @@ class Pipelined:
     """The Hugging Face model (or ``peft`` wrapper) whose ``forward`` is intercepted, if any."""
     sequential: nn.Sequential | None = None
     """Otherwise the ``nn.Sequential`` that ``pipeline_loss`` is called on."""
+    kernels: list[str] = field(default_factory=list)
+    """The faster kernels bound onto the model's modules (``RoundPipeStrategy(kernels=...)``)."""
 
 
-def pipelined_layers(module: nn.Module, split_decoder_layers: bool, tile_tokens: int | None) -> Pipelined:
-    """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach."""
+def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
+    """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach; a
+    Hugging Face model's with the faster kernels ``options.kernels`` asks for on CUDA workers (``cuda``)."""
     hf_model = find_hf_model(module)
     if hf_model is not None:
         from lightning_roundpipe.models import hf
 
-        layers = hf.build_layers(hf_model, split_decoder_layers, tile_tokens)
+        layers = hf.build_layers(hf_model, options.split_decoder_layers, options.tile_tokens)
         check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
-        return Pipelined(layers, hf_model=hf_model)
-    if split_decoder_layers:
+        kernels = []
+        if hf.kernels.resolve(options.kernels, cuda):
+            kernels = hf.kernels.apply_liger(hf.unwrap(hf_model), layers)
+        return Pipelined(layers, hf_model=hf_model, kernels=kernels)
+    if options.kernels == "liger":
+        raise ValueError(
+            "RoundPipeStrategy(kernels='liger') applies to a Hugging Face model's stages; this model is an"
+            " nn.Sequential, whose layers run as written. Use kernels='auto' or 'none'."
+        )
+    if options.split_decoder_layers:
         from lightning_roundpipe.models.hf import PRESETS
 
         raise ValueError(

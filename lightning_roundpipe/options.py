@@ -17,6 +17,8 @@ from lightning_roundpipe.schedule.choose import PLANNERS
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
+KERNELS = ("auto", "liger", "none")
+
 
 @dataclass(kw_only=True)
 class RoundPipeOptions:
@@ -89,6 +91,12 @@ class RoundPipeOptions:
     backward; a backward stage recomputes them tile by tile (one more forward of them per backward), so
     one tile's intermediates bound their memory instead of the whole sequence's. For sequences too long
     for one layer's activations (e.g. 16384)."""
+    kernels: str = "auto"
+    """Faster kernels in a Hugging Face model's stages: ``"auto"`` uses liger-kernel's Triton RMSNorm,
+    SwiGLU, rotary embedding and fused linear cross-entropy when liger-kernel is installed and the workers
+    are CUDA devices (``pip install "lightning-roundpipe[gpu]"``); ``"liger"`` requires them (a clear
+    error otherwise); ``"none"`` runs transformers' own modules and the chunked loss. Only this model's
+    modules are changed, never the classes: other models in the process keep their code."""
     evaluate_hf_in_pipeline: bool = True
     """``self.model(**batch)`` of a Hugging Face model in ``validation_step`` / ``test_step`` with labels
     runs forward-only through the pipeline and returns the loss only (``logits`` is ``None``: never
@@ -112,6 +120,8 @@ class RoundPipeOptions:
                 f"RoundPipeStrategy(tile_tokens={self.tile_tokens}) tiles the layers of split_decoder_layers=True"
                 " over a positive number of tokens"
             )
+        if self.kernels not in KERNELS:
+            raise ValueError(f"RoundPipeStrategy(kernels={self.kernels!r}) must be one of {KERNELS}")
         self.gpu_memory = parse_memory(self.gpu_memory)
         given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)
         if self.double_buffer != "none" and not self.async_optimizer:

@@ -72,10 +72,14 @@ class PipelineCalls:
             api.register_runner(pipelined.sequential, self._run)
 
     def uninstall(self) -> None:
-        """The model runs plainly again."""
+        """The model runs plainly again (its own modules' code too: the faster kernels come off)."""
         if self._interceptor is not None:
             self._interceptor.restore()
             self._interceptor = None
+        if self.pipelined.kernels:
+            from lightning_roundpipe.models import hf
+
+            hf.kernels.remove(hf.unwrap(self.pipelined.hf_model))
         if self.pipelined.sequential is not None:
             api.unregister_runner(self.pipelined.sequential)
 

@@ -39,6 +39,7 @@ _TrainerFn = pl.trainer.states.TrainerFn
 _call = pl.trainer.call
 _is_overridden = pl.utilities.model_helpers.is_overridden
 rank_zero_warn = pl.utilities.rank_zero_warn
+rank_zero_info = pl.utilities.rank_zero_info
 
 
 class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-type]
@@ -62,6 +63,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers: a Hugging Face model's blocks become attention and MLP layers.
         tile_tokens: with ``split_decoder_layers``, run token-wise parts over this many tokens at a time.
+        kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
         evaluate_hf_in_pipeline: a Hugging Face model's validation/test loss goes through the pipeline.
         timeout: with ``num_nodes > 1``, how long a collective waits for the other nodes.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
@@ -86,6 +88,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
+        kernels: str = "auto",
         evaluate_hf_in_pipeline: bool = True,
         timeout: timedelta | float = default_pg_timeout,
         accelerator: Any = None,
@@ -98,13 +101,15 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             planner=planner, check_every=check_every, replan_margin=replan_margin, overlap=overlap,
             gpu_memory=gpu_memory, async_optimizer=async_optimizer, double_buffer=double_buffer,
             host_memory_check=host_memory_check, split_decoder_layers=split_decoder_layers, tile_tokens=tile_tokens,
-            evaluate_hf_in_pipeline=evaluate_hf_in_pipeline, timeout=timeout,
+            kernels=kernels, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline, timeout=timeout,
         )  # fmt: skip
         super().__init__(
             self.options.timeout, accelerator=accelerator, parallel_devices=parallel_devices,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
         self.engine: PipelineEngine | None = None
+        self.kernels: list[str] = []
+        """The faster kernels bound onto a Hugging Face model's modules at setup (``kernels``)."""
         self._calls: PipelineCalls | None = None
         self._host_clock = HostStepClock()
 
@@ -172,7 +177,11 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     def _setup_engine(self, trainer: Any, training: bool) -> None:
         """The engine over the model's layers, and the model's calls routed to it."""
         module = self.lightning_module
-        pipelined = pipelined_layers(module, self.options.split_decoder_layers, self.options.tile_tokens)
+        cuda = all(d.type == "cuda" for d in self.worker_devices)
+        pipelined = pipelined_layers(module, self.options, cuda)
+        self.kernels = pipelined.kernels
+        if pipelined.kernels:
+            rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {', '.join(pipelined.kernels)}")
         asynchronous = self.async_optimizer and training
         self.precision_plugin.check_supported(asynchronous, self.num_nodes)
         if asynchronous:

@@ -16,6 +16,7 @@ the engine). Only ``transformers`` is imported, and only inside functions, when 
 is pipelined: the core package does not need it.
 """
 
+from lightning_roundpipe.models.hf import kernels
 from lightning_roundpipe.models.hf.attention import plain_inputs
 from lightning_roundpipe.models.hf.detect import is_hf_model, unwrap
 from lightning_roundpipe.models.hf.interceptor import Interceptor
@@ -38,6 +39,7 @@ __all__ = [
     "counted_tokens",
     "decoder_layers",
     "is_hf_model",
+    "kernels",
     "plain_inputs",
     "shift_labels",
     "unwrap",

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
 from lightning_roundpipe.models.hf.attention import _attention_inputs, _sliding
+from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
 from lightning_roundpipe.models.hf.router import _add_router_sums, _router_of, _RouterLogits
 from lightning_roundpipe.models.hf.state import State
@@ -136,14 +137,20 @@ class OutputStage(nn.Module):
         self.lm_head = lm_head
         self.chunk_size = chunk_size
         self.aux_coef = aux_coef
+        self.fused_loss = False
+        """Liger's fused linear cross-entropy on CUDA tensors (:mod:`.kernels`), instead of the chunked loss."""
 
     def forward(self, state: State) -> Tensor:
         hidden, _, _, labels, sums = state
         if labels is None:
             raise ValueError("training through roundpipe needs `labels` in the batch (the loss is computed there)")
-        loss = chunked_linear_cross_entropy(
-            self.norm(hidden), self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size
-        )
+        hidden = self.norm(hidden)
+        if self.fused_loss and hidden.is_cuda:
+            loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX)
+        else:
+            loss = chunked_linear_cross_entropy(
+                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size
+            )
         if sums is not None:
             per_expert, probs_sum, rows = sums
             aux = (per_expert / rows * (probs_sum / rows)).sum() * per_expert.numel()
