@@ -12,7 +12,8 @@ on CUDA tensors only: CPU workers keep the model's own code.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import inspect
 import types
 from typing import Any
@@ -30,9 +31,16 @@ SWIGLU_MLPS = frozenset(f"{family}MLP" for family in ("Llama", "Qwen3", "Qwen2",
 """MLPs computing ``down_proj(act(gate_proj(x)) * up_proj(x))``; fused only with a SiLU activation."""
 
 
+@functools.cache
 def liger_installed() -> bool:
-    """Whether ``liger_kernel`` and the Triton it needs can be imported."""
-    return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
+    """Whether the parts of ``liger_kernel`` used here import (with the Triton they need)."""
+    try:
+        for name in ("liger_kernel.transformers.functional", "liger_kernel.transformers.rope"):
+            importlib.import_module(name)
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: F401
+    except Exception:  # not installed, no Triton, or a release without these names
+        return False
+    return True
 
 
 def resolve(choice: str, cuda: bool) -> bool:
