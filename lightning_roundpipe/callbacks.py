@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package
@@ -49,16 +50,25 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
       since the previous log
     - ``roundpipe/gpu_memory_gib_worker{i}``: memory in use on worker ``i``'s GPU (NVML)
     - ``roundpipe/host_rss_gib``: resident memory of this process
+    - ``roundpipe/grad_norm``: the global 2-norm of every optimizer step's gradients before clipping
+      (``grad_norm=True``). Synchronously from the gradients Lightning's hooks see; asynchronously the
+      optimizer thread computes it where the gradients are (``on_before_optimizer_step`` sees none in
+      that mode), and it is logged under its own step once that step's update ran (a step later)
 
     Args:
         timeline: a path; the first measured step is written there as Chrome-trace JSON (open it in
             Perfetto), with a Gantt chart next to it as PNG when matplotlib is installed.
         layer_costs: a path for the measured per-layer costs (JSON), written whenever a plan is made.
+        grad_norm: log ``roundpipe/grad_norm`` (one more pass over the host gradients per step).
     """
 
-    def __init__(self, timeline: str | Path | None = None, layer_costs: str | Path | None = None) -> None:
+    def __init__(
+        self, timeline: str | Path | None = None, layer_costs: str | Path | None = None, grad_norm: bool = True
+    ) -> None:
         self.timeline = Path(timeline) if timeline is not None else None
         self.layer_costs = Path(layer_costs) if layer_costs is not None else None
+        self.grad_norm = grad_norm
+        self._norm_logged = -1  # asynchronous mode: the last step whose norm was logged
         self._last_bytes: tuple[int, int] | None = None
         self._last_time = 0.0
         self._written_costs: Any = None
@@ -75,6 +85,37 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
                 f"`RoundPipeMonitor` reports on `Trainer(strategy='roundpipe')`; this Trainer uses"
                 f" {type(trainer.strategy).__name__}."
             )
+        trainer.strategy.measure_grad_norm = self.grad_norm
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Synchronous mode: the step's gradients are in ``p.grad`` here, unscaled and not yet clipped."""
+        if not self.grad_norm or trainer.strategy.async_optimizer:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self._log(trainer, {"roundpipe/grad_norm": norm}, trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    def _log_async_grad_norm(self, trainer: Any, engine: Any) -> None:
+        """The norms of the updates the optimizer thread ran since the last call, each under its own step."""
+        if not self.grad_norm or engine.crew.optimizer is None:
+            return
+        for step, norm in list(engine.crew.optimizer.grad_norms):
+            if step > self._norm_logged:
+                self._norm_logged = step
+                self._log(trainer, {"roundpipe/grad_norm": norm}, step)
+
+    @staticmethod
+    def _log(trainer: Any, metrics: dict[str, float], step: int) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        engine = trainer.strategy.engine
+        if engine is not None and engine.crew.optimizer is not None and self.grad_norm:
+            engine.flush()  # the last step's update (and its norm)
+            self._log_async_grad_norm(trainer, engine)
 
     def _due(self, trainer: Any, ahead: int) -> bool:
         return (trainer.global_step + ahead) % max(1, trainer.log_every_n_steps) == 0
@@ -91,6 +132,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
         engine = trainer.strategy.engine
         if engine is None:
             return
+        self._log_async_grad_norm(trainer, engine)
         if (
             self.layer_costs is not None
             and engine.planner.layer_costs is not None
@@ -130,8 +172,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
         self._last_bytes, self._last_time = moved, now
         metrics.update(self._gpu_memory(engine))
         metrics["roundpipe/host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        self._log(trainer, metrics, trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def _gpu_memory(self, engine: Any) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -108,6 +108,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
         self.engine: PipelineEngine | None = None
+        self.measure_grad_norm = False
+        """Asynchronous optimizer: compute each step's global gradient norm on the optimizer thread
+        (``RoundPipeMonitor`` turns it on; the engine's ``crew.optimizer.grad_norms`` holds the recent ones)."""
         self.kernels: list[str] = []
         """The faster kernels bound onto a Hugging Face model's modules at setup (``kernels``)."""
         self._calls: PipelineCalls | None = None
@@ -260,7 +263,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if closure_result is None:
             return None
-        spec = UpdateSpec.capture(optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        spec = UpdateSpec.capture(
+            optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, self.measure_grad_norm
+        )
         self.engine.submit_step(spec)  # clipping and the update happen on the optimizer thread
         spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
         return closure_result

@@ -68,8 +68,9 @@ def run_async(
     return torch.cat([p.detach().flatten() for p in model.parameters()]), opt
 
 
-def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, kind="adamw"):
-    """Step t's gradient is computed on the weights before update t-1 (the weights after t-2 updates)."""
+def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, kind="adamw", norms=None):
+    """Step t's gradient is computed on the weights before update t-1 (the weights after t-2 updates);
+    ``norms``: a list that gets each step's gradient norm before clipping."""
     current = copy.deepcopy(model)  # the masters
     lagged = copy.deepcopy(model)  # what the gradient of this step is computed on
     opt = make_optimizer(current.parameters(), kind)
@@ -79,6 +80,8 @@ def staleness_one_reference(model, data, clip=None, algorithm="norm", lrs=None, 
             (F.mse_loss(lagged(x), y) / len(step_batches)).backward()
         for p, q in zip(current.parameters(), lagged.parameters()):
             p.grad = q.grad.clone()
+        if norms is not None:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in current.parameters()])))
         if clip is not None and algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(current.parameters(), clip)
         elif clip is not None:
@@ -573,3 +576,27 @@ def test_state_saved_after_an_announced_last_batch_holds_whole_casts(monkeypatch
             assert torch.equal(saved, engine.store.groups[g].data.to(saved.dtype)), g
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_optimizer_thread_measures_each_steps_gradient_norm_before_clipping(clip):
+    """What ``RoundPipeMonitor`` logs as ``roundpipe/grad_norm`` in the asynchronous mode: the norm of the
+    gradients each update used, before clipping (``on_before_optimizer_step`` sees none in this mode)."""
+    model, data = mlp(), batches(4, per_step=2)
+    want: list[float] = []
+    staleness_one_reference(copy.deepcopy(model), data, clip=clip, norms=want)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], asynchronous=True)
+    opt = make_optimizer(model.parameters())
+    got = []
+    try:
+        for step_batches in data:
+            for x, y in step_batches:
+                engine.train_batch(x, y, F.mse_loss, grad_scale=0.5)
+            engine.submit_step(UpdateSpec.capture(opt, clip, measure_norm=True))
+            engine.flush()
+            got.append(engine.crew.optimizer.grad_norms[-1])
+    finally:
+        engine.close()
+    assert [step for step, _ in got] == [0, 1, 2, 3]
+    assert [norm for _, norm in got] == pytest.approx(want, rel=1e-5)

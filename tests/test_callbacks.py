@@ -62,3 +62,24 @@ def test_monitor_refuses_a_trainer_without_loggers_or_another_strategy(tmp_path)
         trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[RoundPipeMonitor()], max_steps=1,
                             enable_progress_bar=False, default_root_dir=tmp_path)  # fmt: skip
         trainer.fit(BoringPipeline(), boring_data())
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_monitor_logs_every_steps_gradient_norm_in_both_optimizer_modes(tmp_path, async_optimizer):
+    """Synchronously it equals what a user's ``on_before_optimizer_step`` computes from ``p.grad``;
+    asynchronously (where that hook sees no gradients) the optimizer thread's, one value per step."""
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
+    module = BoringPipeline()
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(async_optimizer=async_optimizer), accelerator="cpu", devices=2, max_epochs=1,
+        log_every_n_steps=50, logger=logger, callbacks=[RoundPipeMonitor()], enable_progress_bar=False,
+        enable_checkpointing=False, gradient_clip_val=0.1,
+    )  # fmt: skip
+    trainer.fit(module, boring_data())
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("roundpipe/grad_norm")]
+    norms = {int(r["step"]): float(r["roundpipe/grad_norm"]) for r in rows}
+    assert sorted(norms) == list(range(trainer.global_step))  # every step, under its own number
+    assert all(n > 0.1 for n in norms.values())  # before clipping (the clip is 0.1)
+    if not async_optimizer:
+        assert [norms[k] for k in sorted(norms)] == pytest.approx(module.seen_grad_norms, rel=1e-5)

@@ -21,6 +21,7 @@ the main thread never race the worker; checkpoints read the real optimizer's (sh
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import queue
@@ -47,12 +48,16 @@ class UpdateSpec:
     """Per parameter group, everything but ``params`` (LR and friends as of submission)."""
     clip_value: float | None = None
     clip_algorithm: str = "norm"
+    measure_norm: bool = False
+    """Compute the gradients' global 2-norm (before clipping) even when not clipping by norm."""
 
     @classmethod
-    def capture(cls, optimizer: Any, clip_value: float | None = None, clip_algorithm: str = "norm") -> UpdateSpec:
+    def capture(
+        cls, optimizer: Any, clip_value: float | None = None, clip_algorithm: str = "norm", measure_norm: bool = False
+    ) -> UpdateSpec:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
         hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return cls(optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"))
+        return cls(optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"), measure_norm)
 
 
 class StepWindow:
@@ -101,6 +106,8 @@ class OptimizerWorker:
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
         self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
+        self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
+        """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
         self.last_step_s: float | None = None
         """Host seconds the last update's math took (clipping and the optimizer's steps; not the waits for
         gradients, nor the casts): what the devices' step must be longer than for the update to hide."""
@@ -184,18 +191,21 @@ class OptimizerWorker:
                 exchange.reduce(g)  # in update order on every node: the collectives pair up
                 reduced.add(g)
 
-        if clip_norm or exchange is not None:
+        norm = clip_norm or job.spec.measure_norm
+        if norm or exchange is not None:
             for g in job.groups:  # the global norm needs every gradient of the step (and nodes reduce in order)
                 complete(g)
         working = 0.0
-        if clip_norm:
-            assert job.spec.clip_value is not None
+        if norm:
             start = time.perf_counter()
             if exchange is not None:
                 total = exchange.global_norm()
             else:
                 total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
-            coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
+            self.grad_norms.append((job.step, total))
+            if clip_norm:
+                assert job.spec.clip_value is not None
+                coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
             working += time.perf_counter() - start
         for g in job.groups:
             complete(g)
