@@ -35,11 +35,14 @@ def build_engine(
     asynchronous: bool,
     training: bool,
     num_nodes: int = 1,
+    autocast_dtype: torch.dtype | None = None,
 ) -> PipelineEngine:
     """The engine over ``layers``, after refusing (with the table) a run the host could not hold; without
     ``training`` (validate, test, predict) it only runs forward passes and has no optimizer thread."""
     params = [p for layer in layers for p in layer.parameters()]
-    state_bytes = 8.0 / num_nodes if training else 0.0  # AdamW's two fp32 moments, sharded over nodes
+    trainable = next((p for p in params if p.requires_grad), None)
+    size = trainable.element_size() if trainable is not None else 4
+    state_bytes = 2.0 * size / num_nodes if training else 0.0  # AdamW's two moments, sharded over nodes
     estimate = estimate_host_memory(
         params, compute_dtype, asynchronous, state_bytes, double_buffer=options.double_buffer
     )
@@ -54,7 +57,7 @@ def build_engine(
         num_rounds=options.num_rounds,
         overlap=options.overlap,
         compute_dtype=compute_dtype,
-        autocast_dtype=compute_dtype,
+        autocast_dtype=autocast_dtype,
         asynchronous=asynchronous,
         profile_steps=options.profile_steps,
         planner=options.planner,

@@ -80,7 +80,7 @@ def estimate_host_memory(
     model: nn.Module | Iterable[nn.Parameter],
     compute_dtype: torch.dtype | None = torch.bfloat16,
     asynchronous: bool = True,
-    optimizer_bytes_per_parameter: float = 8.0,
+    optimizer_bytes_per_parameter: float | None = None,
     activation_bytes: int = 0,
     double_buffer: bool | str = False,
 ) -> HostMemoryEstimate:
@@ -92,7 +92,8 @@ def estimate_host_memory(
         asynchronous: ``RoundPipeStrategy(async_optimizer=...)``: trainable parameters then always get a
             separate compute copy.
         optimizer_bytes_per_parameter: optimizer state per trainable parameter (AdamW in fp32: 8;
-            SGD with momentum: 4; plain SGD: 0).
+            SGD with momentum: 4; plain SGD: 0); ``None``: AdamW's two moments in each parameter's dtype
+            (8 for fp32 parameters, 4 for bf16 ones under ``precision="bf16-true"``).
         activation_bytes: stage-boundary activations of one batch, if known.
         double_buffer: ``RoundPipeStrategy(double_buffer=True)`` or ``"all"``: a second compute copy per
             trainable parameter (``"first"``, the first stage's only, is not counted).
@@ -116,7 +117,7 @@ def estimate_host_memory(
         grads += n * size
         if cast or asynchronous:
             compute += n * compute_size * (2 if double_buffer in (True, "all") and asynchronous else 1)
-        states += int(n * optimizer_bytes_per_parameter)
+        states += int(n * (2 * size if optimizer_bytes_per_parameter is None else optimizer_bytes_per_parameter))
     return HostMemoryEstimate(trainable, frozen, masters, grads, compute, states, activation_bytes)
 
 

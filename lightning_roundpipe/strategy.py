@@ -191,7 +191,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             _warn_about_gradient_hooks(module)
         self.engine = build_engine(
             pipelined.layers, self.worker_devices, self.options, self.precision_plugin.compute_dtype, asynchronous,
-            training, self._nodes.count,
+            training, self._nodes.count, self.precision_plugin.autocast_dtype,
         )  # fmt: skip
         self._nodes.join(self.engine, asynchronous)
         steps_after = lambda: asynchronous and _lightning_steps_after(module)  # noqa: E731

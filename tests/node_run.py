@@ -55,7 +55,8 @@ def main(out: str, num_nodes: int, async_optimizer: bool, batch_size: int, epoch
     timeout = {"timeout": timedelta(seconds=float(os.environ["PG_TIMEOUT"]))} if os.environ.get("PG_TIMEOUT") else {}
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=async_optimizer, **timeout)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes, max_epochs=epochs, logger=False,
+        strategy=strategy, precision=os.environ.get("PRECISION", "32-true"), accelerator="cpu", devices=2,
+        num_nodes=num_nodes, max_epochs=epochs, logger=False,
         enable_progress_bar=False, enable_checkpointing=bool(os.environ.get("CKPT_DIR")), enable_model_summary=False,
         callbacks=callbacks, gradient_clip_val=clip,
     )  # fmt: skip

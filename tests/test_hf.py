@@ -186,12 +186,12 @@ def hf_data(batches: int = 4) -> DataLoader:
     return DataLoader(items, batch_size=None)
 
 
-def fit_hf(strategy, devices, arch="qwen3", tied=True):
+def fit_hf(strategy, devices, arch="qwen3", tied=True, **trainer_kwargs):
     L.seed_everything(0, verbose=False)
     module = HFModule(arch, tied)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
     )  # fmt: skip
     trainer.fit(module, hf_data())
     return module
@@ -205,6 +205,19 @@ def test_training_step_unchanged_weights_equal_plain_lightning(arch):
     assert relative_error(flat(ours), flat(plain)) <= 1e-5
     assert relative_error(flat(ours), flat(HFModule(arch))) > 1e-3  # it trained
     assert "forward" not in ours.model.__dict__  # the interception is undone at teardown
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_true_hugging_face_model_equals_plain_lightning_bf16_true(split):
+    """A Hugging Face model in ``precision="bf16-true"``: bf16 parameters and optimizer states, and with one
+    micro-batch the weights of plain Lightning's bf16-true (bf16 rounding), whole or split blocks."""
+    plain = fit_hf("auto", 1, precision="bf16-true")
+    strategy = RoundPipeStrategy(num_microbatches=1, async_optimizer=False, split_decoder_layers=split)
+    ours = fit_hf(strategy, 1, precision="bf16-true")
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    flat = lambda m: torch.cat([p.detach().float().flatten() for p in m.parameters()])  # noqa: E731
+    assert relative_error(flat(ours), flat(plain)) <= 3e-2  # the chunked loss's fp32 logits; the fused AdamW
+    assert relative_error(flat(ours), flat(HFModule("qwen3"))) > 0.1  # it trained
 
 
 @pytest.mark.parametrize("tile_tokens", [None, 4])
@@ -373,6 +386,18 @@ def test_lora_trains_only_adapters(async_optimizer):
             assert relative_error(p.detach(), dict(plain.named_parameters())[name].detach()) <= 1e-5, name
     else:
         assert any(not torch.equal(p, start[n]) for n, p in adapters.items())
+
+
+def test_lora_under_bf16_true_trains_only_adapters_in_bf16():
+    ours, start, optimizer = fit_lora(RoundPipeStrategy(num_microbatches=3), 2, precision="bf16-true")
+    adapters = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    assert adapters and all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    frozen = [(p, start[n].to(p.dtype)) for n, p in ours.named_parameters() if not p.requires_grad]
+    assert frozen and all(torch.equal(p, before) for p, before in frozen)  # as they were (in bf16)
+    assert any(not torch.equal(p, start[n].to(p.dtype)) for n, p in adapters.items())
+    assert all(
+        t.dtype == torch.bfloat16 for p in adapters.values() for k, t in optimizer.state[p].items() if k != "step"
+    )
 
 
 def test_lora_frozen_weights_take_two_bytes_on_the_host_in_bf16():

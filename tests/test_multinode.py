@@ -102,21 +102,28 @@ def launch_nodes(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode, clip", [("sync", 0.0), ("async", 0.0), ("sync", 0.05), ("async", 0.05)])
-def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode, clip):
-    nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2, clip=clip)
+@pytest.mark.parametrize(
+    "mode, clip, precision",
+    [("sync", 0.0, "32-true"), ("async", 0.0, "32-true"), ("sync", 0.05, "32-true"), ("async", 0.05, "32-true"),
+     ("async", 0.0, "bf16-true")],
+)  # fmt: skip
+def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode, clip, precision):
+    """bf16-true: bf16 gradients reduced over gloo, bf16 optimizer states sharded."""
+    nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2, clip=clip, PRECISION=precision)
     assert [n["rank"] for n in nodes] == [0, 1] and all(n["world_size"] == 2 for n in nodes), nodes
     assert nodes[0]["sampler"] == ("DistributedSampler", True)  # Lightning put in the strategy's sampler
     assert nodes[0]["logged"] == nodes[1]["logged"] == 0.5  # self.log(..., sync_dist=True) averages nodes
     assert torch.equal(nodes[0]["weights"], nodes[1]["weights"])  # the nodes stay in step
     # one process, batches of 12: the samples both nodes drew in that step (DistributedSampler's permutation)
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=mode == "async")
-    trainer_kwargs = {"accelerator": "cpu", "devices": 2, "strategy": strategy, "max_epochs": 2}
+    trainer_kwargs = {"accelerator": "cpu", "devices": 2, "strategy": strategy, "max_epochs": 2, "precision": precision}
     if clip:
         trainer_kwargs["gradient_clip_val"] = clip
     dataset = boring_data().dataset
     single = fit(BoringPipeline, trainer_kwargs, data=DataLoader(dataset, batch_size=12, sampler=EpochPermutation(96)))
-    assert relative_error(nodes[0]["weights"], flat_weights(single)) <= 1e-5
+    tolerance = 1e-5 if precision == "32-true" else 2e-2  # bf16: the nodes' sum and mean round in bf16
+    assert relative_error(nodes[0]["weights"], flat_weights(single)) <= tolerance
+    assert nodes[0]["weights"].dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     # optimizer states are sharded: each node keeps those of the groups it updates, together all of them
     shards = [set(n["optimizer_state"]) for n in nodes]
     assert shards[0] and shards[1] and not shards[0] & shards[1]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
-from helpers import BoringPipeline, fit, flat_weights, relative_error
+import torch.nn.functional as F
+from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
 from torch import nn
 
 from lightning_roundpipe import RoundPipePrecision, RoundPipeStrategy
@@ -113,3 +115,96 @@ def test_sixteen_mixed_from_the_trainer_flag_on_cpu_becomes_bf16():
     # Lightning itself turns precision="16-mixed" into bf16 on CPU; the strategy follows.
     module = fit(partial(BoringPipeline), {**CPU, "devices": 2, "strategy": "roundpipe", "precision": "16-mixed"})
     assert module.trainer.strategy.precision_plugin.precision == "bf16-mixed"
+
+
+# ---------------------------------------------------------------------------------------------- bf16-true
+BF16_TRUE = {**CPU, "precision": "bf16-true"}
+
+
+def test_bf16_true_with_one_micro_batch_equals_plain_lightning_bf16_true():
+    """The masters are the bf16 weights: the same arithmetic as plain Lightning's bf16-true, bit for bit
+    on one CPU worker; parameters and optimizer states are bf16 and no fp32 or compute copy is kept."""
+    plain = fit(partial(BoringPipeline, fused=True), {**BF16_TRUE, "devices": 1})
+    strategy = RoundPipeStrategy(num_microbatches=1, async_optimizer=False)
+    ours = fit(partial(BoringPipeline, fused=True), {**BF16_TRUE, "devices": 1, "strategy": strategy})
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    states = ours.trainer.optimizers[0].state.values()
+    assert all(t.dtype == torch.bfloat16 for state in states for k, t in state.items() if k != "step")
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-4
+
+
+def test_bf16_true_over_micro_batches_and_workers_stays_within_their_summing():
+    """Several micro-batches on two workers: each micro-batch's bf16 gradients are summed (on the device
+    within a round, on the host across rounds and batches, in fp32 arithmetic rounded to bf16), so the
+    weights stay within that rounding of plain bf16-true, and of fp32 training."""
+    accumulate = {"accumulate_grad_batches": 2}
+    plain = fit(partial(BoringPipeline, fused=True), {**BF16_TRUE, **accumulate, "devices": 1})
+    strategy = RoundPipeStrategy(num_microbatches=3, num_rounds=2, async_optimizer=False)
+    ours = fit(partial(BoringPipeline, fused=True), {**BF16_TRUE, **accumulate, "devices": 2, "strategy": strategy})
+    fp32 = fit(partial(BoringPipeline, fused=True), {**CPU, **accumulate, "devices": 1})
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 2e-2
+    assert relative_error(flat_weights(ours), flat_weights(fp32)) <= 3e-2
+
+
+def test_bf16_true_keeps_about_8_host_bytes_per_parameter():
+    """What the engine holds, and what the preflight estimate says: bf16 masters (the compute weights in
+    the synchronous mode), bf16 gradients, AdamW's two bf16 moments; a bf16 compute copy more when the
+    optimizer is asynchronous (it updates the masters while the workers read the previous weights)."""
+    from lightning_roundpipe import estimate_host_memory
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    sync = estimate_host_memory(model, torch.bfloat16, asynchronous=False)
+    assert sync.total / sync.trainable_parameters == 8
+    assert estimate_host_memory(model, torch.bfloat16, asynchronous=True).total / sync.trainable_parameters == 10
+    store = HostStore(list(model.children()), compute_dtype=torch.bfloat16)
+    assert store.nbytes() == 4 * store.num_parameters  # masters (= compute weights) and gradients
+    assert all(g.compute is g.data and g.grad.dtype == torch.bfloat16 for g in store.groups)
+
+
+def test_bf16_true_asynchronous_equals_the_staleness_one_reference_in_bf16():
+    from test_async import batches, make_optimizer, mlp, staleness_one_reference
+
+    from lightning_roundpipe.engine import PipelineEngine
+    from lightning_roundpipe.runtime import WorkerDevice
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    model = mlp().to(torch.bfloat16)
+    data = [[(x.bfloat16(), y.bfloat16()) for x, y in step] for step in batches(5)]
+    want = staleness_one_reference(copy.deepcopy(model), data)
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", 0)], microbatches_per_round=1, asynchronous=True,
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert all(g.data.dtype == torch.bfloat16 for g in engine.store.groups)
+    opt = make_optimizer(model.parameters())
+    try:
+        for step in data:
+            for x, y in step:
+                engine.train_batch(x, y, F.mse_loss, last_of_step=True)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert got.dtype == torch.bfloat16 and relative_error(got, want) <= 1e-4
+
+
+def test_bf16_true_checkpoint_resumes_exactly(tmp_path):
+    def run(directory, epochs, ckpt=None):
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline(fused=True)
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=3), precision="bf16-true", accelerator="cpu", devices=2,
+            max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, boring_data(), ckpt_path=ckpt)
+        return module
+
+    straight = run(tmp_path / "a", 2)
+    saved = torch.load(tmp_path / "a" / "epoch=0.ckpt", weights_only=False)
+    assert all(t.dtype == torch.bfloat16 for t in saved["state_dict"].values())
+    moments = [t for s in saved["optimizer_states"][0]["state"].values() for k, t in s.items() if k != "step"]
+    assert moments and all(t.dtype == torch.bfloat16 for t in moments)
+    resumed = run(tmp_path / "b", 2, ckpt=str(tmp_path / "a" / "epoch=0.ckpt"))
+    assert torch.equal(flat_weights(resumed), flat_weights(straight))

@@ -110,8 +110,8 @@ def test_bf16_mixed_trains_close_to_fp32():
 
 
 def test_unsupported_settings_say_what_to_change():
-    with pytest.raises(ValueError, match=r"precision='bf16-true'\)` is not supported.*'32-true',\s+'bf16-mixed'"):
-        L.Trainer(strategy="roundpipe", precision="bf16-true", **CPU)
+    with pytest.raises(ValueError, match=r"precision='16-true'\)` is not supported.*'32-true', 'bf16-mixed',\s+"):
+        L.Trainer(strategy="roundpipe", precision="16-true", **CPU)
     with pytest.raises(ValueError, match="num_microbatches=0"):
         RoundPipeStrategy(num_microbatches=0)
     with pytest.raises(ValueError, match=r"planner='quick'\) must be one of \('objective', 'fastest'\)"):
