@@ -4,7 +4,10 @@
 - ``"bf16-mixed"``: parameters are uploaded in bf16 and workers compute under bf16 autocast;
   gradients come back in bf16 and are summed into fp32 on the host.
 - ``"16-mixed"``: the same in fp16, with dynamic loss scaling by torch's ``GradScaler`` on the host
-  gradients: a step with non-finite gradients is skipped and the scale lowered.
+  gradients: a step with non-finite gradients is skipped and the scale lowered. With the asynchronous
+  optimizer the optimizer thread unscales, checks and decides (the scaler's own kernels), one step
+  stale like the gradients: the batches of step ``t`` all use the scale after update ``t - 2``'s
+  decision (update ``t - 1`` runs while they do), and no device sync is added.
 - ``"bf16-true"``: what plain Lightning's means, on the host: the module's parameters are bf16 (built so
   under ``configure_model``), the masters are the weights the workers compute with (no fp32 copy, no
   separate compute copy in the synchronous mode), gradients and the optimizer's states are bf16, float
@@ -55,6 +58,7 @@ class RoundPipePrecision(_Precision):  # type: ignore[misc,valid-type]
         self.scaler = scaler if scaler is not None or precision != "16-mixed" else torch.amp.GradScaler("cpu")
         if self.scaler is not None:
             self.scaler.scale(torch.ones(()))  # creates the scale tensor, on the host where gradients live
+        self._step_scale = (-1, self.scaler.get_scale() if self.scaler is not None else 1.0)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -87,23 +91,31 @@ class RoundPipePrecision(_Precision):  # type: ignore[misc,valid-type]
 
     @property
     def loss_scale(self) -> float:
-        """Factor the pipeline multiplies the loss by before backward (1 unless ``"16-mixed"``)."""
+        """Factor the pipeline multiplies the loss by before backward (1 unless ``"16-mixed"``): the
+        scaler's, or with the asynchronous optimizer the current step's (:meth:`step_scale`)."""
+        if self._step_scale[0] >= 0:
+            return self._step_scale[1]
         return self.scaler.get_scale() if self.scaler is not None else 1.0
 
+    def step_scale(self, engine: Any) -> float:
+        """The loss scale the current step's batches multiply by: the scaler's; with the asynchronous
+        optimizer, the scale after update ``step - 2``'s decision (waiting for it, on the host only), the
+        same for every batch of the step (the scale of the step before when that update decided none)."""
+        optimizer = engine.crew.optimizer
+        if self.scaler is None or optimizer is None:
+            return self.loss_scale
+        step = engine.steps.step
+        if self._step_scale[0] != step:
+            decided = optimizer.scale_after(step - 2) if step >= 2 else None
+            self._step_scale = (step, self._step_scale[1] if decided is None else decided)
+        return self._step_scale[1]
+
     def check_supported(self, asynchronous: bool, num_nodes: int) -> None:
-        """Refuse what loss scaling cannot do yet: several nodes, or the asynchronous optimizer."""
-        if self.precision != "16-mixed":
-            return
-        if num_nodes > 1:
+        """Refuse what loss scaling cannot do yet: several nodes."""
+        if self.precision == "16-mixed" and num_nodes > 1:
             raise ValueError(
                 "precision='16-mixed' across nodes is not supported yet: every node would have to agree on"
                 " skipping a step. Use precision='bf16-mixed' (no loss scaling needed) with num_nodes > 1."
-            )
-        if asynchronous:
-            raise ValueError(
-                "precision='16-mixed' with the asynchronous optimizer is not supported yet: loss scaling needs"
-                " the step's overflow check before the next step starts. Use precision='bf16-mixed', or"
-                " RoundPipeStrategy(async_optimizer=False)."
             )
 
     @override

@@ -121,7 +121,7 @@ class PipelineCalls:
                 "the pipelined model was called twice in one `training_step`. Under roundpipe each call runs the"
                 " whole backward, so call it once per step and return its loss."
             )
-        grad_scale = self.precision.loss_scale / self.trainer.accumulate_grad_batches
+        grad_scale = self.precision.step_scale(self.engine) / self.trainer.accumulate_grad_batches
         loss = self.engine.train_batch(
             inputs, target, loss_fn, reduction, grad_scale=grad_scale, last_of_step=self._last_of_step()
         )

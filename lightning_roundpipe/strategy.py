@@ -263,9 +263,11 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if closure_result is None:
             return None
+        precision = self.precision_plugin
         spec = UpdateSpec.capture(
-            optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, self.measure_grad_norm
-        )
+            optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, self.measure_grad_norm,
+            precision.scaler, precision.step_scale(self.engine),
+        )  # fmt: skip
         self.engine.submit_step(spec)  # clipping and the update happen on the optimizer thread
         spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
         return closure_result

@@ -105,10 +105,98 @@ def test_fp16_non_finite_gradients_skip_the_step_and_lower_the_scale():
     assert all(torch.isfinite(w).all() for w in weights)
 
 
-def test_sixteen_mixed_with_the_asynchronous_optimizer_is_refused():
-    strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"))
-    with pytest.raises(ValueError, match=r"16-mixed' with the asynchronous optimizer.*async_optimizer=False"):
-        fit(BoringPipeline, {**CPU, "devices": 2, "strategy": strategy})
+def fp16_staleness_one_reference(model, data, scaler_kwargs, spike_at):
+    """Plain fp16 autocast training with the asynchronous optimizer's semantics written out: step t's
+    gradients are computed on the weights before update t-1, with the loss scale after update t-2's
+    decision; the update unscales, skips on non-finite gradients and decides as ``GradScaler`` does."""
+    from test_async import make_optimizer
+
+    current, lagged = copy.deepcopy(model), copy.deepcopy(model)
+    opt = make_optimizer(current.parameters())
+    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    scaler.scale(torch.ones(()))
+    initial, scales = scaler.get_scale(), {}
+    for t, (x, y) in enumerate(data):
+        _SPIKE.update(at_call=spike_at, calls=t)
+        used = initial if t < 2 else scales[t - 2]
+        lagged.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            loss = F.mse_loss(lagged(x), y)
+        (loss * used).backward()
+        for p, q in zip(current.parameters(), lagged.parameters()):
+            p.grad = q.grad.clone()
+        found = torch.zeros(1)
+        grads = [p.grad for p in current.parameters()]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / used))
+        before = copy.deepcopy(current.state_dict())
+        if not found.item():
+            opt.step()
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found, 2.0, 0.5, scaler._growth_interval)
+        scales[t] = scaler.get_scale()
+        lagged.load_state_dict(before)
+    _SPIKE.update(at_call=-1, calls=0)
+    return torch.cat([p.detach().flatten() for p in current.parameters()]), scales
+
+
+def test_sixteen_mixed_asynchronous_equals_the_staleness_one_reference_with_a_grad_scaler():
+    """The optimizer thread unscales, skips the step whose gradients are not finite (an injected inf at
+    step 3), halves the scale and grows it after two finite steps; every batch of step t used the
+    scale after update t-2's decision."""
+    from test_async import make_optimizer, mlp
+
+    from lightning_roundpipe.engine import PipelineEngine
+    from lightning_roundpipe.runtime import WorkerDevice
+    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+
+    base = nn.Sequential(*list(mlp().children())[:2], Spike(), *list(mlp().children())[2:])
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(8)]
+    scaler_kwargs = {"init_scale": 2.0**10, "growth_interval": 2}
+    want, want_scales = fp16_staleness_one_reference(base, data, scaler_kwargs, spike_at=3)
+    model = copy.deepcopy(base)
+    precision = RoundPipePrecision("16-mixed", torch.amp.GradScaler("cpu", **scaler_kwargs))
+    layers = list(model.children())
+    engine = PipelineEngine(  # one fused stage: a batch's backward is over before its loss comes back,
+        layers, [WorkerDevice("cpu", 0)], plan=f"|{len(layers)}", microbatches_per_round=1, asynchronous=True,
+        compute_dtype=torch.float16, autocast_dtype=torch.float16,  # so the spike hits the batch it is set for
+    )  # fmt: skip
+    opt = make_optimizer(model.parameters())
+    used = []
+    try:
+        for t, (x, y) in enumerate(data):
+            _SPIKE.update(at_call=3, calls=t)
+            used.append(precision.step_scale(engine))
+            engine.train_batch(x, y, F.mse_loss, grad_scale=used[-1], last_of_step=True)
+            engine.submit_step(
+                UpdateSpec.capture(opt, scaler=precision.scaler, loss_scale=precision.step_scale(engine))
+            )
+        engine.flush()
+    finally:
+        _SPIKE.update(at_call=-1, calls=0)
+        engine.close()
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert used == [1024.0] * 2 + [want_scales[t - 2] for t in range(2, 8)]
+    assert want_scales[3] == want_scales[2] / 2 and want_scales[5] == want_scales[4] * 2  # skipped, then grown
+    assert engine.crew.optimizer.scales == {t: want_scales[t] for t in range(8)}
+    assert relative_error(got, want) <= 1e-6
+
+
+def test_sixteen_mixed_through_lightning_with_the_asynchronous_optimizer_skips_a_non_finite_step():
+    class WithSpike(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.model.insert(4, Spike())
+
+    recorder = Recorder()
+    _SPIKE.update(at_call=2, calls=0)
+    try:
+        strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"))
+        fit(WithSpike, {**CPU, "devices": 2, "strategy": strategy, "callbacks": [recorder]})
+    finally:
+        _SPIKE.update(at_call=-1, calls=0)
+    scales = recorder.scales
+    assert scales[:4] == [65536.0] * 4 and scales[4] == 32768.0  # step 2's decision reaches step 4
+    assert all(torch.isfinite(w).all() for w in recorder.weights)
 
 
 def test_sixteen_mixed_from_the_trainer_flag_on_cpu_becomes_bf16():
@@ -189,17 +277,33 @@ def test_bf16_true_asynchronous_equals_the_staleness_one_reference_in_bf16():
     assert got.dtype == torch.bfloat16 and relative_error(got, want) <= 1e-4
 
 
+def _fit_and_save(directory, epochs, ckpt=None, **trainer_kwargs):
+    L.seed_everything(1, verbose=False)
+    module = BoringPipeline(fused=True)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3), accelerator="cpu", devices=2, max_epochs=epochs,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
+        **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, boring_data(), ckpt_path=ckpt)
+    return module
+
+
+def test_sixteen_mixed_asynchronous_checkpoint_resumes_exactly(tmp_path):
+    """The scales the next two steps use travel in the engine's state; the scaler's own in Lightning's."""
+    kwargs = {"plugins": [RoundPipePrecision("16-mixed", torch.amp.GradScaler("cpu", growth_interval=2))]}
+    straight = _fit_and_save(tmp_path / "a", 2, **kwargs)
+    kwargs = {"plugins": [RoundPipePrecision("16-mixed", torch.amp.GradScaler("cpu", growth_interval=2))]}
+    saved = torch.load(tmp_path / "a" / "epoch=0.ckpt", weights_only=False)["roundpipe"]
+    assert sorted(saved["loss_scales"]) == [6, 7]  # 8 steps per epoch: what steps 8 and 9 use
+    resumed = _fit_and_save(tmp_path / "b", 2, ckpt=str(tmp_path / "a" / "epoch=0.ckpt"), **kwargs)
+    assert torch.equal(flat_weights(resumed), flat_weights(straight))
+
+
 def test_bf16_true_checkpoint_resumes_exactly(tmp_path):
     def run(directory, epochs, ckpt=None):
-        L.seed_everything(1, verbose=False)
-        module = BoringPipeline(fused=True)
-        trainer = L.Trainer(
-            strategy=RoundPipeStrategy(num_microbatches=3), precision="bf16-true", accelerator="cpu", devices=2,
-            max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
-        )  # fmt: skip
-        trainer.fit(module, boring_data(), ckpt_path=ckpt)
-        return module
+        return _fit_and_save(directory, epochs, ckpt, precision="bf16-true")
 
     straight = run(tmp_path / "a", 2)
     saved = torch.load(tmp_path / "a" / "epoch=0.ckpt", weights_only=False)

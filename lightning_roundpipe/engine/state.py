@@ -36,6 +36,9 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "microbatches_per_round": planner.microbatches_per_round,
         "memory_limit": planner.memory_limit,  # lowered where a batch ran out of device memory
     }
+    optimizer = engine.crew.optimizer
+    if optimizer is not None and optimizer.scales:  # 16-mixed: the scales the next two steps use
+        state["loss_scales"] = {k: v for k, v in optimizer.scales.items() if k >= steps.step - 2}
     if steps.asynchronous and steps.pending_casts():
         stash = engine.evaluator.stash or {}  # saved during validation: the copies set aside are the ones
         state["compute"] = {
@@ -79,4 +82,7 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
         )
     if compute is not None and sorted(compute) != sorted(engine.steps.trainable):
         raise ValueError("the checkpoint's roundpipe state does not match this model's trainable layers")
+    for step, scale in state.get("loss_scales", {}).items():
+        if engine.crew.optimizer is not None:  # 16-mixed: the scales the next two steps use, as decided
+            engine.crew.optimizer.decide(int(step), float(scale))
     engine.steps.resume(int(state["step"]), compute)

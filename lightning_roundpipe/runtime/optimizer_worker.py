@@ -50,14 +50,26 @@ class UpdateSpec:
     clip_algorithm: str = "norm"
     measure_norm: bool = False
     """Compute the gradients' global 2-norm (before clipping) even when not clipping by norm."""
+    scaler: torch.amp.GradScaler | None = None
+    """``precision="16-mixed"``: the scaler whose scale and growth tracker this update advances."""
+    loss_scale: float = 1.0
+    """The loss scale the step's batches multiplied their loss by (what its gradients are divided by)."""
 
     @classmethod
     def capture(
-        cls, optimizer: Any, clip_value: float | None = None, clip_algorithm: str = "norm", measure_norm: bool = False
+        cls,
+        optimizer: Any,
+        clip_value: float | None = None,
+        clip_algorithm: str = "norm",
+        measure_norm: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        loss_scale: float = 1.0,
     ) -> UpdateSpec:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
         hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return cls(optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"), measure_norm)
+        return cls(
+            optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"), measure_norm, scaler, loss_scale
+        )
 
 
 class StepWindow:
@@ -108,6 +120,11 @@ class OptimizerWorker:
         self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
         self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
         """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
+        self.scales: dict[int, float] = {}
+        """``16-mixed``: per update, the loss scale after its decision (halved after non-finite gradients,
+        grown after ``growth_interval`` finite steps), as :meth:`scale_after` hands it to later steps."""
+        self._decided: dict[int, threading.Event] = {}
+        self._decided_lock = threading.Lock()
         self.last_step_s: float | None = None
         """Host seconds the last update's math took (clipping and the optimizer's steps; not the waits for
         gradients, nor the casts): what the devices' step must be longer than for the update to hide."""
@@ -127,6 +144,26 @@ class OptimizerWorker:
         """Wait until every submitted job finished, casts included."""
         return self._last is None or self._last.finished.wait(timeout)
 
+    def scale_after(self, step: int) -> float | None:
+        """The loss scale after update ``step``'s decision, waiting for it (``None``: no update of that
+        step decided one: not scaled, or it ended without deciding)."""
+        self._decision(step).wait()
+        return self.scales.get(step)
+
+    def decide(self, step: int, scale: float | None) -> None:
+        """Record update ``step``'s scale (``None``: none), for :meth:`scale_after`; also what a resumed
+        run restores."""
+        if scale is not None:
+            self.scales[step] = scale
+            self.scales.pop(step - 8, None)
+        self._decision(step).set()
+        with self._decided_lock:
+            self._decided.pop(step - 8, None)
+
+    def _decision(self, step: int) -> threading.Event:
+        with self._decided_lock:
+            return self._decided.setdefault(step, threading.Event())
+
     def close(self, timeout: float = 30.0) -> bool:
         self._jobs.put(None)
         self._thread.join(timeout)
@@ -144,6 +181,8 @@ class OptimizerWorker:
             except BaseException as e:
                 self._on_error(e)
             finally:
+                if not self._decision(job.step).is_set():  # no decision (not scaled, or cut short)
+                    self.decide(job.step, None)
                 job.math_done.set()
                 job.finished.set()
 
@@ -192,11 +231,16 @@ class OptimizerWorker:
                 reduced.add(g)
 
         norm = clip_norm or job.spec.measure_norm
-        if norm or exchange is not None:
+        if norm or job.spec.scaler is not None or exchange is not None:
             for g in job.groups:  # the global norm needs every gradient of the step (and nodes reduce in order)
                 complete(g)
         working = 0.0
-        if norm:
+        skip = False
+        if job.spec.scaler is not None:
+            start = time.perf_counter()
+            skip = self._unscale(job)
+            working += time.perf_counter() - start
+        if norm and not skip:
             start = time.perf_counter()
             if exchange is not None:
                 total = exchange.global_norm()
@@ -209,8 +253,8 @@ class OptimizerWorker:
             working += time.perf_counter() - start
         for g in job.groups:
             complete(g)
-            if exchange is not None and not exchange.owns(g):
-                job.consumed[g].set()  # another node updates this group; its gradient was sent there
+            if skip or (exchange is not None and not exchange.owns(g)):
+                job.consumed[g].set()  # skipped, or another node updates this group (its gradient went there)
                 continue
             start = time.perf_counter()
             grad = self._grad(g)
@@ -227,6 +271,23 @@ class OptimizerWorker:
         if exchange is not None:
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
         self.last_step_s = working
+
+    def _unscale(self, job: UpdateJob) -> bool:
+        """``16-mixed``: divide the step's gradients by the loss scale its batches used and decide as
+        ``GradScaler.update`` does (the same two kernels): non-finite anywhere skips the whole update
+        and multiplies the scale by ``backoff_factor``; ``growth_interval`` finite steps in a row
+        multiply it by ``growth_factor``. Returns whether the update is skipped."""
+        assert job.spec is not None and job.spec.scaler is not None
+        scaler = job.spec.scaler
+        found = torch.zeros(1)
+        grads = [self._grad(g) for g in job.groups]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / job.spec.loss_scale))
+        torch._amp_update_scale_(
+            scaler._scale, scaler._growth_tracker, found, scaler._growth_factor, scaler._backoff_factor,
+            scaler._growth_interval,
+        )  # fmt: skip
+        self.decide(job.step, float(scaler._scale))
+        return bool(found.item())
 
     def _grad(self, g: int) -> torch.Tensor:
         grad = self.store.groups[g].grad
