@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.options import RoundPipeOptions
@@ -36,6 +37,7 @@ def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -
         kernels = []
         if hf.kernels.resolve(options.kernels, cuda):
             kernels = hf.kernels.apply_liger(hf.unwrap(hf_model), layers)
+            rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {', '.join(kernels)}")
         return Pipelined(layers, hf_model=hf_model, kernels=kernels)
     if options.kernels == "liger":
         raise ValueError(

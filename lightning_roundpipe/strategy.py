@@ -39,7 +39,6 @@ _TrainerFn = pl.trainer.states.TrainerFn
 _call = pl.trainer.call
 _is_overridden = pl.utilities.model_helpers.is_overridden
 rank_zero_warn = pl.utilities.rank_zero_warn
-rank_zero_info = pl.utilities.rank_zero_info
 
 
 class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-type]
@@ -108,11 +107,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )  # fmt: skip
         self.engine: PipelineEngine | None = None
-        self.measure_grad_norm = False
-        """Asynchronous optimizer: compute each step's global gradient norm on the optimizer thread
-        (``RoundPipeMonitor`` turns it on; the engine's ``crew.optimizer.grad_norms`` holds the recent ones)."""
-        self.kernels: list[str] = []
-        """The faster kernels bound onto a Hugging Face model's modules at setup (``kernels``)."""
+        self.measure_grad_norm = False  # async: each step's gradient norm on the optimizer thread (the monitor's)
+        self.kernels: list[str] = []  # the faster kernels bound onto a Hugging Face model at setup
         self._calls: PipelineCalls | None = None
         self._host_clock = HostStepClock()
 
@@ -183,8 +179,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         cuda = all(d.type == "cuda" for d in self.worker_devices)
         pipelined = pipelined_layers(module, self.options, cuda)
         self.kernels = pipelined.kernels
-        if pipelined.kernels:
-            rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {', '.join(pipelined.kernels)}")
         asynchronous = self.async_optimizer and training
         self.precision_plugin.check_supported(asynchronous, self.num_nodes)
         if asynchronous:
@@ -263,11 +257,10 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if closure_result is None:
             return None
-        precision = self.precision_plugin
+        clip, scaling = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm), self.precision_plugin
         spec = UpdateSpec.capture(
-            optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm, self.measure_grad_norm,
-            precision.scaler, precision.step_scale(self.engine),
-        )  # fmt: skip
+            optimizer, *clip, self.measure_grad_norm, scaling.scaler, scaling.step_scale(self.engine)
+        )
         self.engine.submit_step(spec)  # clipping and the update happen on the optimizer thread
         spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
         return closure_result
