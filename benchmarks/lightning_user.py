@@ -13,6 +13,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   installed, its kernels in the stages);
 - ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
+- ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
+  copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
   settings the issue measured);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
@@ -25,6 +27,8 @@ host's peak resident memory.
 
     python benchmarks/lightning_user.py --configs plain,newcomer,tuned-4 --out benchmarks/results/lightning-user.json
     python benchmarks/lightning_user.py --configs newcomer,tuned-4 --gpu-gib 24 --out ...-24gib.json
+    python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true --gpu-gib 24 \\
+        --configs newcomer,newcomer-sync
 
 ``--device cpu --model debug`` is a smoke test.
 """
@@ -53,7 +57,7 @@ from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_
 GiB = 2**30
 
 
-def qwen3(shape: Shape) -> torch.nn.Module:
+def qwen3(shape: Shape, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """``Qwen3ForCausalLM`` of ``shape`` with random weights (repeated blocks: the values do not matter here,
     and drawing 1.7 B normal numbers would take longer than the run)."""
     import transformers
@@ -61,12 +65,14 @@ def qwen3(shape: Shape) -> torch.nn.Module:
     config = transformers.Qwen3Config(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=1 << 18,
+        head_dim=shape.head_dim, tie_word_embeddings=shape.tied, rope_theta=1_000_000.0,
+        max_position_embeddings=1 << 18,
     )  # fmt: skip
     with torch.device("meta"):
-        model = transformers.Qwen3ForCausalLM(config)
+        model = transformers.Qwen3ForCausalLM(config).to(dtype)  # bf16-true: never an fp32 copy on the host
     model = model.to_empty(device="cpu")
-    model.lm_head.weight = model.model.embed_tokens.weight
+    if shape.tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return init_hf(model, config, tile=1 << 20)
 
 
@@ -148,6 +154,8 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
+    if config == "newcomer-sync":
+        return RoundPipeStrategy(async_optimizer=False), False
     if config == "newcomer-split-tiled":
         return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
     if config.startswith("tuned-"):
@@ -171,7 +179,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
         apply_liger_kernel_to_qwen3()
-    model = qwen3(shape)
+    model = qwen3(shape, torch.bfloat16 if args.precision == "bf16-true" else torch.float32)
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
@@ -183,7 +191,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
     clock = Clock(args.warmup)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed",
+        strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
         max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
         callbacks=[clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else [])],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -206,6 +214,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
         "gpu_torch_peak_gib": max_memory_allocated(0) / GiB if cuda else None,
         "gpu_gib_cap": args.gpu_gib or None,
+        "precision": args.precision,
+        "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
     }
     engine_state = getattr(trainer.strategy, "_last_engine", None)
@@ -258,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gpu-gib", type=float, default=0.0)
+    parser.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
     parser.add_argument("--config-timeout", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)

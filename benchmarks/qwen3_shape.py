@@ -28,11 +28,14 @@ class Shape:
     head_dim: int
     ffn: int
     vocab: int
+    tied: bool = True
+    """The LM head shares the embedding's weight (Qwen3-1.7B and 4B; the 8B's is its own)."""
 
 
 SHAPES = {
     "qwen3-1.7b": Shape(hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936),
     "qwen3-4b": Shape(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728, vocab=151936),
+    "qwen3-8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936, tied=False),
     "debug": Shape(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=97),
 }
 
