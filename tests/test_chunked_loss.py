@@ -8,18 +8,23 @@ from helpers import relative_error
 from lightning_roundpipe.models import chunked_linear_cross_entropy
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 4096])
-def test_matches_linear_and_cross_entropy(chunk_size):
+def test_matches_linear_and_cross_entropy(chunk_size, softcap):
+    """With ``softcap`` (Gemma), of ``softcap * tanh(logits / softcap)``."""
     torch.manual_seed(0)
     hidden = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 50, (3, 11))
     labels[0, :5] = -100
-    got = chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+    got = chunked_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size, softcap=softcap)
     (got * 3).backward()
     gh, gw = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    want = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    logits = hidden @ weight.T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     (want * 3).backward()
     assert relative_error(got.detach(), want.detach()) < 1e-6
     assert relative_error(gh, hidden.grad) < 1e-6

@@ -10,6 +10,9 @@ The algorithm, for hidden states ``h`` (T x H), head weight ``W`` (V x H) and la
    and ``dW += dlogits^T h_c``. Then drop the chunk's logits.
 4. Backward only scales the stored ``dh`` and ``dW`` by the incoming gradient.
 
+With a soft cap ``c`` (Gemma) the logits are ``c * tanh(z / c)`` of the head's output ``z``; the gradient
+w.r.t. ``z`` is the logits' times ``1 - tanh(z / c)^2`` (one more fp32 chunk while it is alive).
+
 Peak extra memory is ``dW`` in fp32 plus one chunk of fp32 logits (reused for their gradient) and
 its low-precision copy, instead of ``T x V`` logits and their gradient: it does not grow with ``T``.
 The matmuls run in the compute dtype (bf16 under autocast) with fp32 accumulation. On CUDA they
@@ -53,7 +56,13 @@ def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, chunk_size: int
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        ignore_index: int,
+        chunk_size: int,
+        softcap: float | None = None,
     ) -> Tensor:
         compute_dtype = hidden.dtype
         w = weight.to(compute_dtype)
@@ -70,6 +79,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             y = labels[start : start + chunk_size]
             keep = counted[start : start + chunk_size]
             logits = _logits_fp32(h, w)
+            capped = None
+            if softcap is not None:
+                logits.div_(softcap).tanh_()
+                capped = logits.square().neg_().add_(1.0)  # d logits / d z = 1 - tanh^2
+                logits.mul_(softcap)
             safe_y = torch.where(keep, y, torch.zeros_like(y))
             picked = logits.gather(1, safe_y[:, None]).squeeze(1)
             # log-sum-exp in the logits' own memory (torch.logsumexp would allocate a second chunk)
@@ -84,8 +98,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = exps.div_(sums[:, None])  # softmax
             probs.scatter_add_(1, safe_y[:, None], -torch.ones_like(picked)[:, None])
             probs.mul_((keep.float() / denom)[:, None])
+            if capped is not None:
+                probs.mul_(capped)
             g = probs.to(compute_dtype)
-            del logits, exps, probs  # every name of the fp32 chunk: it is freed before the next one exists
+            del logits, exps, probs, capped  # every fp32 chunk's name: freed before the next one exists
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_size] = g @ w
             if grad_weight is not None:
@@ -103,19 +119,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:  # scaled straight into the weight's dtype: no fp32 temporary
             dw = torch.empty(grad_weight.shape, dtype=ctx.weight_dtype, device=grad_weight.device)
             torch.mul(grad_weight, grad_output, out=dw)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, chunk_size: int = 2048
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    ignore_index: int = -100,
+    chunk_size: int = 2048,
+    softcap: float | None = None,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=...)`` (mean over counted tokens),
-    computed ``chunk_size`` tokens at a time. ``hidden`` is ``(..., H)``, ``labels`` matches its
-    leading dimensions; the result is 0 when no token is counted."""
+    computed ``chunk_size`` tokens at a time; with ``softcap``, of ``softcap * tanh(logits / softcap)``.
+    ``hidden`` is ``(..., H)``, ``labels`` matches its leading dimensions; the result is 0 when no token
+    is counted."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return _ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), ignore_index, chunk_size
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), ignore_index, chunk_size, softcap
     )

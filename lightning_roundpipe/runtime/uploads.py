@@ -87,7 +87,10 @@ def slot_tensors(
         for ref in slots.store.layer_tensors[i]:
             key = (ref.group, ref.offset)
             if key not in leaves:
-                view = loaded.flats[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)
+                # each tensor with a version counter of its own, as a module's parameters have: an in-place
+                # write to one (peft's LoRA on parameters re-sets the expert weights) must not look to
+                # autograd like a change of another tensor that shares the flat buffer
+                view = loaded.flats[ref.group].data[ref.offset : ref.offset + ref.numel].view(ref.shape)
                 if ref.group in loaded.grads:
                     view = view.detach().requires_grad_(True)
                     view.grad = loaded.grads[ref.group][ref.offset : ref.offset + ref.numel].view(ref.shape)

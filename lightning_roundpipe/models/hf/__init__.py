@@ -19,6 +19,7 @@ is pipelined: the core package does not need it.
 from lightning_roundpipe.models.hf import kernels
 from lightning_roundpipe.models.hf.attention import plain_inputs
 from lightning_roundpipe.models.hf.detect import is_hf_model, unwrap
+from lightning_roundpipe.models.hf.families import FAMILIES, Family
 from lightning_roundpipe.models.hf.interceptor import Interceptor
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, counted_tokens, shift_labels
 from lightning_roundpipe.models.hf.presets import PRESETS, build_layers, decoder_layers
@@ -26,10 +27,12 @@ from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, I
 from lightning_roundpipe.models.hf.state import State
 
 __all__ = [
+    "FAMILIES",
     "IGNORE_INDEX",
     "PRESETS",
     "AttentionStage",
     "DecoderStage",
+    "Family",
     "InputStage",
     "Interceptor",
     "MlpStage",

@@ -13,17 +13,12 @@ from torch import Tensor, nn
 from lightning_roundpipe.models.hf.state import State
 
 
-def _sliding(config: Any, index: int) -> bool:
-    """Whether block ``index`` attends through a sliding window, as the config's ``layer_types`` says."""
-    types = getattr(config, "layer_types", None)
-    return bool(types) and types[index] == "sliding_attention"
-
-
 def _attention_inputs(
-    config: Any, sliding: bool, rotary_emb: nn.Module, state: State
+    config: Any, sliding: bool, rotary_emb: nn.Module, state: State, layer_type: str | None = None
 ) -> tuple[Any, Tensor, tuple[Tensor, Tensor]]:
-    """The attention mask the implementation needs, the positions and the rotary tables, made per
-    micro-batch from the 2-D padding mask and the position ids that travel."""
+    """The attention mask the implementation needs, the positions and the rotary tables (of ``layer_type``
+    where the rotary module keeps one per type), made per micro-batch from the 2-D padding mask and the
+    position ids that travel."""
     hidden, attention_mask, position_ids, _, _ = state
     from transformers import masking_utils
 
@@ -40,7 +35,8 @@ def _attention_inputs(
     positions = position_ids
     if positions is None:
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-    return mask, positions, rotary_emb(hidden, positions)
+    rotary = rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+    return mask, positions, rotary
 
 
 @functools.cache

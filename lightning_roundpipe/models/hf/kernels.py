@@ -91,21 +91,25 @@ def apply_liger(model: nn.Module, layers: list[nn.Module]) -> list[str]:
     return [f"{kind} x{n}" for kind, n in sorted(counts.items())]
 
 
-def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+def fused_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, softcap: float | None = None
+) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels)`` averaged over the counted tokens, by Liger's fused
     kernel: logits in chunks, the loss's gradients computed in the forward (as the chunked loss does),
     the head's gradient summed in fp32. The count divides on the device: no host sync."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    global _FLCE
-    if _FLCE is None:
-        _FLCE = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="sum", accum_dtype=torch.float32)
+    key = (ignore_index, softcap)
+    if key not in _FLCE:
+        _FLCE[key] = LigerFusedLinearCrossEntropyLoss(
+            ignore_index=ignore_index, reduction="sum", softcap=softcap, accum_dtype=torch.float32
+        )
     flat_labels = labels.reshape(-1)
-    total = _FLCE(weight, hidden.reshape(-1, hidden.shape[-1]), flat_labels)
+    total = _FLCE[key](weight, hidden.reshape(-1, hidden.shape[-1]), flat_labels)
     return total / (flat_labels != ignore_index).sum().clamp_min(1)
 
 
-_FLCE: Any = None
+_FLCE: dict[tuple[int, float | None], Any] = {}
 
 
 def remove(model: nn.Module) -> None:

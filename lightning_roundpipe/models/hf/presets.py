@@ -1,7 +1,8 @@
-"""The architecture table: which ``*ForCausalLM`` classes can be pipelined, and how each is cut into layers.
+"""Which ``*ForCausalLM`` classes can be pipelined, and how each is cut into layers.
 
-Adding an architecture whose blocks have the Llama shape is one entry in ``PRESETS`` naming
-:func:`decoder_layers`; one of another shape gets a function of the model returning its stages.
+Every architecture of :data:`~lightning_roundpipe.models.hf.families.FAMILIES` is cut by
+:func:`decoder_layers` as its entry says; ``PRESETS`` maps each to it. An architecture of another shape
+gets a function of the model returning its stages (``PRESETS[name] = function``).
 """
 
 from __future__ import annotations
@@ -12,35 +13,42 @@ from collections.abc import Callable
 from torch import nn
 
 from lightning_roundpipe.models.hf.detect import unwrap
+from lightning_roundpipe.models.hf.families import FAMILIES, Family
 from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 
 
-def decoder_layers(model: nn.Module, split: bool = False, tile_tokens: int | None = None) -> list[nn.Module]:
+def decoder_layers(
+    model: nn.Module, split: bool = False, tile_tokens: int | None = None, family: Family | None = None
+) -> list[nn.Module]:
     """Embedding, the decoder blocks (each as two layers when ``split``, their token-wise parts tiled
-    over ``tile_tokens`` tokens), final norm and head: Llama, Qwen3 and Qwen3-MoE share this shape."""
+    over ``tile_tokens`` tokens), final norm and head, as the architecture's ``family`` entry says (by
+    default its own entry in ``FAMILIES``)."""
+    name = type(model).__name__
+    family = family or FAMILIES[name]
     inner = model.model
     config = model.config
     layers = list(inner.layers[: config.num_hidden_layers])
+    family.check(name, config, layers)
     experts = int(getattr(config, "num_experts", 0) or 0) if getattr(config, "output_router_logits", False) else 0
-    stages: list[nn.Module] = [InputStage(inner.embed_tokens, experts)]
+    stages: list[nn.Module] = [
+        InputStage(inner.embed_tokens, experts, family.multiplier(config, family.embedding_multiplier))
+    ]
     for i, layer in enumerate(layers):
         if split:
             stages += [
-                AttentionStage(layer, inner.rotary_emb, config, i, tile_tokens),
-                MlpStage(layer, config, tile_tokens),
+                AttentionStage(layer, inner.rotary_emb, config, i, family, tile_tokens),
+                MlpStage(layer, config, family, tile_tokens),
             ]
         else:
-            stages.append(DecoderStage(layer, inner.rotary_emb, config, i))
+            stages.append(DecoderStage(layer, inner.rotary_emb, config, i, family))
     aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0)) if experts else 0.0
-    stages.append(OutputStage(inner.norm, model.lm_head, aux_coef=aux_coef))
+    divisor = family.multiplier(config, family.logits_divisor)
+    softcap = getattr(config, family.logits_softcap, None) if family.logits_softcap else None
+    stages.append(OutputStage(inner.norm, model.lm_head, aux_coef=aux_coef, divisor=divisor, softcap=softcap))
     return stages
 
 
-PRESETS: dict[str, Callable[..., list[nn.Module]]] = {
-    "LlamaForCausalLM": decoder_layers,
-    "Qwen3ForCausalLM": decoder_layers,
-    "Qwen3MoeForCausalLM": decoder_layers,
-}
+PRESETS: dict[str, Callable[..., list[nn.Module]]] = {name: decoder_layers for name in FAMILIES}
 """Architecture (class name) to the function building its layer sequence: ``preset(model)``; a preset
 that can split each decoder block into an attention layer and an MLP layer also takes ``split=True``."""
 
@@ -66,11 +74,21 @@ def build_layers(
             raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
     hf = unwrap(model)
     name = type(hf).__name__
+    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    if wrapped:
+        raise ValueError(
+            f"roundpipe cannot pipeline LoRA adapters on parameters (peft's ParamWrapper, e.g. {wrapped[0]}): peft"
+            " re-registers those parameters on every forward, which the workers' weight-less module copies do"
+            " not follow. `target_modules='all-linear'` does this to a mixture of experts' experts and router;"
+            " target the linear layers instead, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
+        )
     if name not in PRESETS:
         raise ValueError(
-            f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. Add one to"
-            " `lightning_roundpipe.models.hf.PRESETS` (a function of the model returning its layers as modules), or"
-            " keep the model as an `nn.Sequential` and train it with `lightning_roundpipe.pipeline_loss`."
+            f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. If its blocks are the model's"
+            " decoder layers, add one line to `lightning_roundpipe.models.hf.FAMILIES` saying what differs from"
+            " Llama's shape (docs/architectures.md); otherwise add to `lightning_roundpipe.models.hf.PRESETS` a"
+            " function of the model returning its layers as modules, or keep the model as an `nn.Sequential`"
+            " and train it with `lightning_roundpipe.pipeline_loss`."
         )
     preset = PRESETS[name]
     if not split_decoder_layers:

@@ -28,9 +28,12 @@ class _RouterLogits(list):
             self.handle.remove()
 
 
-def _router_of(mlp: nn.Module | None) -> nn.Module | None:
-    """The module whose output is the block's router logits (``mlp.gate`` of a sparse block), if any."""
-    return getattr(mlp, "gate", None) if mlp is not None and hasattr(mlp, "experts") else None
+def _router_of(mlp: nn.Module | None, attribute: str | None) -> nn.Module | None:
+    """The module whose (first) output is the block's router logits: the family's router attribute of a
+    sparse block (``mlp.gate``, GPT-OSS's ``mlp.router``), if the block has experts (Qwen2-MoE's may not)."""
+    if mlp is None or attribute is None or not hasattr(mlp, "experts"):
+        return None
+    return getattr(mlp, attribute, None)
 
 
 def _add_router_sums(

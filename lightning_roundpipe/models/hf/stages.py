@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
-from lightning_roundpipe.models.hf.attention import _attention_inputs, _sliding
+from lightning_roundpipe.models.hf.attention import _attention_inputs
+from lightning_roundpipe.models.hf.families import Family, Norms
 from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
 from lightning_roundpipe.models.hf.router import _add_router_sums, _router_of, _RouterLogits
@@ -17,17 +18,21 @@ from lightning_roundpipe.models.tiling import tiled
 
 
 class InputStage(nn.Module):
-    """Token embedding; the rest of the batch passes through; router sums start at zero."""
+    """Token embedding (times the family's multiplier); the rest of the batch passes through; router sums
+    start at zero."""
 
-    def __init__(self, embed_tokens: nn.Module, num_experts: int = 0) -> None:
+    def __init__(self, embed_tokens: nn.Module, num_experts: int = 0, multiplier: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.num_experts = num_experts
         """Non-zero when the model's load-balancing loss is computed (``output_router_logits``)."""
+        self.multiplier = multiplier
 
     def forward(self, batch: tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]) -> State:
         input_ids, attention_mask, position_ids, labels = batch
         hidden = self.embed_tokens(input_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         sums = None
         if self.num_experts:
             zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=hidden.device)
@@ -39,17 +44,19 @@ class DecoderStage(nn.Module):
     """One decoder block with its attention mask and rotary tables made here, per micro-batch; for a
     mixture-of-experts block, its router logits are added to the running router sums."""
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int) -> None:
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int, family: Family) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.config = config
-        self.sliding = _sliding(config, index)
+        self.sliding = family.sliding(config, index)
+        self.layer_type = family.layer_type(config, index)
+        self.router = family.router
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state)
-        router = _router_of(getattr(self.layer, "mlp", None)) if sums is not None else None
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
+        router = _router_of(getattr(self.layer, "mlp", None), self.router) if sums is not None else None
         with _RouterLogits(router) as logits:
             out = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         if logits:
@@ -58,59 +65,82 @@ class DecoderStage(nn.Module):
         return (out[0] if isinstance(out, tuple) else out), attention_mask, position_ids, labels, sums
 
 
-class AttentionStage(nn.Module):
-    """The first half of a decoder block as a layer of its own: ``h + self_attn(input_layernorm(h))``.
-    With :class:`MlpStage` after it, the same arithmetic as the block (``split_decoder_layers``).
+class _Half(nn.Module):
+    """Half a decoder block as a layer of its own: ``h + m * dropout(after(part(before(h))))``, with the
+    norms, dropout and multiplier ``m`` the family's entry names (``split_decoder_layers``); the two halves
+    in a row are the block's arithmetic. ``tile_tokens``: the token-wise work runs over at most this many
+    tokens at a time, keeping only its input (:func:`~lightning_roundpipe.models.tiling.tiled`)."""
 
-    ``tile_tokens``: the input norm over at most this many tokens at a time, keeping only its input (its
-    fp32 intermediates are 8 of the 47 KiB per token this half keeps on a Qwen3-1.7B-shaped model,
-    bf16). The norms inside the attention module (Qwen3's q/k norms) run in transformers' code, untiled."""
+    part_name = ""
 
     def __init__(
-        self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int, tile_tokens: int | None = None
-    ) -> None:
+        self, layer: nn.Module, config: Any, norms: Norms, dropout: str | None, multiplier: float | None,
+        tile_tokens: int | None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
-        self.rotary_emb = rotary_emb
+        self.before, self.after = norms
+        for name in (*norms, dropout):
+            if name is not None:
+                self.add_module(name, getattr(layer, name))
+        self.add_module(self.part_name, getattr(layer, self.part_name))
+        self.dropout, self.multiplier = dropout, multiplier
         self.config = config
-        self.sliding = _sliding(config, index)
         self.tile_tokens = tile_tokens
+
+    def _norm(self, name: str | None, x: Tensor) -> Tensor:
+        return x if name is None else getattr(self, name)(x)
+
+    def _branch(self, out: Tensor) -> Tensor:
+        out = self._norm(self.after, out)
+        if self.dropout is not None:
+            out = getattr(self, self.dropout)(out)
+        return out if self.multiplier is None else out * self.multiplier
+
+
+class AttentionStage(_Half):
+    """The attention half of a decoder block. Its norm before the attention is tiled over tokens; norms
+    inside the attention module (q/k norms) run in transformers' code, untiled."""
+
+    part_name = "self_attn"
+
+    def __init__(
+        self, layer: nn.Module, rotary_emb: nn.Module, config: Any, index: int, family: Family,
+        tile_tokens: int | None = None,
+    ) -> None:  # fmt: skip
+        dropout = family.residual_dropout[0] if family.residual_dropout else None
+        multiplier = family.multiplier(config, family.residual_multiplier)
+        super().__init__(layer, config, family.halves[0], dropout, multiplier, tile_tokens)
+        self.rotary_emb = rotary_emb
+        self.sliding = family.sliding(config, index)
+        self.layer_type = family.layer_type(config, index)
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state)
-        out = self.self_attn(
-            hidden_states=tiled(self.input_layernorm, self.input_layernorm, hidden, self.tile_tokens),
-            attention_mask=mask,
-            position_ids=positions,
-            position_embeddings=rotary,
-        )
-        return hidden + out[0], attention_mask, position_ids, labels, sums
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
+        norm = getattr(self, self.before) if self.before is not None else None
+        x = hidden if norm is None else tiled(norm, norm, hidden, self.tile_tokens)
+        out = self.self_attn(hidden_states=x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        return hidden + self._branch(out[0]), attention_mask, position_ids, labels, sums
 
 
-class MlpStage(nn.Module):
-    """The second half of a decoder block: ``h + mlp(post_attention_layernorm(h))``, router sums included.
+class MlpStage(_Half):
+    """The MLP half of a decoder block, router sums included; its norms and MLP run over tiles of tokens."""
 
-    ``tile_tokens``: run the norm and the MLP over at most this many tokens at a time
-    (:func:`~lightning_roundpipe.models.tiling.tiled`), so the stage keeps only its input for backward
-    (4 instead of 64 KiB per token on a Qwen3-1.7B-shaped model, bf16) and one tile's intermediates are
-    alive at a time."""
+    part_name = "mlp"
 
-    def __init__(self, layer: nn.Module, config: Any, tile_tokens: int | None = None) -> None:
-        super().__init__()
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
-        self.config = config
-        self.tile_tokens = tile_tokens
+    def __init__(self, layer: nn.Module, config: Any, family: Family, tile_tokens: int | None = None) -> None:
+        dropout = family.residual_dropout[1] if family.residual_dropout else None
+        multiplier = family.multiplier(config, family.residual_multiplier)
+        super().__init__(layer, config, family.halves[1], dropout, multiplier, tile_tokens)
+        self.router = family.router
 
     def _norm_mlp(self, hidden: Tensor) -> Tensor:
-        out = self.mlp(self.post_attention_layernorm(hidden))
-        return out[0] if isinstance(out, tuple) else out
+        out = self.mlp(self._norm(self.before, hidden))
+        return self._norm(self.after, out[0] if isinstance(out, tuple) else out)
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        router = _router_of(self.mlp) if sums is not None else None
+        router = _router_of(self.mlp, self.router) if sums is not None else None
         if router is not None and self.tile_tokens is not None:
             raise ValueError(
                 "tile_tokens cannot tile a mixture-of-experts MLP while its router logits are collected"
@@ -118,6 +148,10 @@ class MlpStage(nn.Module):
             )
         with _RouterLogits(router) as logits:
             out = tiled(self, self._norm_mlp, hidden, self.tile_tokens)
+        if self.dropout is not None:
+            out = getattr(self, self.dropout)(out)
+        if self.multiplier is not None:
+            out = out * self.multiplier
         if logits:
             assert sums is not None
             sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
@@ -129,7 +163,10 @@ class OutputStage(nn.Module):
     by one, ``-100`` ignored, mean over the counted tokens, in chunks (never full-vocabulary logits);
     plus ``router_aux_loss_coef`` times the load-balancing loss when router sums travelled."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int = 2048, aux_coef: float = 0.0) -> None:
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Linear, chunk_size: int = 2048, aux_coef: float = 0.0,
+        divisor: float | None = None, softcap: float | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         if getattr(lm_head, "bias", None) is not None:
             raise ValueError("the chunked LM-head loss supports heads without bias only")
@@ -137,6 +174,10 @@ class OutputStage(nn.Module):
         self.lm_head = lm_head
         self.chunk_size = chunk_size
         self.aux_coef = aux_coef
+        self.divisor = divisor
+        """The logits are divided by it (Granite's ``logits_scaling``): the hidden states are, before the head."""
+        self.softcap = softcap
+        """The logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft cap)."""
         self.fused_loss = False
         """Liger's fused linear cross-entropy on CUDA tensors (:mod:`.kernels`), instead of the chunked loss."""
 
@@ -145,11 +186,15 @@ class OutputStage(nn.Module):
         if labels is None:
             raise ValueError("training through roundpipe needs `labels` in the batch (the loss is computed there)")
         hidden = self.norm(hidden)
+        if self.divisor is not None:
+            hidden = hidden / self.divisor
         if self.fused_loss and hidden.is_cuda:
-            loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX)
+            loss = fused_linear_cross_entropy(
+                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.softcap
+            )
         else:
             loss = chunked_linear_cross_entropy(
-                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size
+                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size, self.softcap
             )
         if sums is not None:
             per_expert, probs_sum, rows = sums
