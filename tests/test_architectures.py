@@ -154,3 +154,17 @@ def test_a_model_unlike_its_entry_and_a_switch_the_stages_do_not_make_are_refuse
     gemma.config.use_bidirectional_attention = True
     with pytest.raises(ValueError, match=r"use_bidirectional_attention.*not causal"):
         hf.build_layers(gemma)
+
+
+def test_a_subclass_running_its_parents_forward_takes_the_parents_entry_and_one_overriding_it_is_refused():
+    class Renamed(transformers.LlamaForCausalLM):
+        def describe(self) -> str:
+            return "a method added, the arithmetic unchanged"
+
+    class Rewired(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    assert_equals_the_model_run_directly(Renamed(tiny("llama").config), split=True)
+    with pytest.raises(ValueError, match="no preset for Rewired"):
+        hf.build_layers(Rewired(tiny("llama").config))

@@ -7,6 +7,7 @@ gets a function of the model returning its stages (``PRESETS[name] = function``)
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -82,7 +83,8 @@ def build_layers(
             " not follow. `target_modules='all-linear'` does this to a mixture of experts' experts and router;"
             " target the linear layers instead, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
         )
-    if name not in PRESETS:
+    preset = PRESETS.get(name) or _inherited(hf)
+    if preset is None:
         raise ValueError(
             f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. If its blocks are the model's"
             " decoder layers, add one line to `lightning_roundpipe.models.hf.FAMILIES` saying what differs from"
@@ -90,7 +92,6 @@ def build_layers(
             " function of the model returning its layers as modules, or keep the model as an `nn.Sequential`"
             " and train it with `lightning_roundpipe.pipeline_loss`."
         )
-    preset = PRESETS[name]
     if not split_decoder_layers:
         return preset(hf)
     if "split" not in inspect.signature(preset).parameters:
@@ -103,3 +104,13 @@ def build_layers(
     if "tile_tokens" not in inspect.signature(preset).parameters:
         raise ValueError(f"the {name} preset cannot tile its layers (its function takes no `tile_tokens`)")
     return preset(hf, split=True, tile_tokens=tile_tokens)
+
+
+def _inherited(model: nn.Module) -> Callable[..., list[nn.Module]] | None:
+    """The preset of a subclass of a supported architecture that runs its parent's ``forward`` (a renamed
+    or extended class, e.g. with a method added): its parent's entry. One that overrides ``forward`` may
+    compute anything: none."""
+    for parent in type(model).__mro__[1:]:
+        if parent.__name__ in FAMILIES and getattr(parent, "forward", None) is type(model).forward:
+            return functools.partial(decoder_layers, family=FAMILIES[parent.__name__])
+    return None
