@@ -1,11 +1,17 @@
-"""LoRA fine-tuning of a randomly initialised Qwen3-MoE with about 30 B parameters on one GPU capped at 24 GB.
+"""LoRA fine-tuning of a large randomly initialised model on one GPU capped at 24 GB.
 
-The model (Qwen3-30B-A3B's shapes: 48 layers, 128 experts, 8 per token) is built in bf16 on the host,
-wrapped with ``peft`` LoRA on the attention projections, and trained through the Qwen3-MoE preset with
-the asynchronous host optimizer. Prints tokens/s, peak GPU memory under the cap, and host memory: the
-frozen weights (kept once, in bf16) and everything else. ``--shape debug --device cpu`` is a smoke test.
+Shapes (``--shape``): Qwen3-30B-A3B (a mixture of experts: 48 layers, 128 experts, 8 per token),
+GPT-OSS-20B (24 layers, 32 experts, 4 per token, attention sinks, alternating sliding windows) and
+Mistral-7B (dense). The model is built in bf16 on the host (a 21 B model in fp32 would not leave the host
+room for its pinned copy), wrapped with ``peft`` LoRA (the attention projections of a mixture of experts;
+every linear layer of a dense model's blocks) and trained through its preset with the asynchronous host
+optimizer. Prints tokens/s, peak GPU memory under the cap, and host memory: the frozen weights (kept
+once, in bf16) and everything else. ``--shape debug`` (or ``debug-gpt-oss``, ``debug-mistral``)
+``--device cpu`` is a smoke test.
 
     python benchmarks/moe_lora.py --out benchmarks/results/moe-lora.json
+    python benchmarks/moe_lora.py --shape gpt-oss-20b --out ...
+    python benchmarks/moe_lora.py --shape mistral-7b --out ...
 """
 
 from __future__ import annotations
@@ -25,15 +31,35 @@ from qwen3_shape import init_hf
 
 from lightning_roundpipe.runtime.device import max_memory_allocated
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SHAPES = {
-    "qwen3-30b-a3b": dict(
+    # name: (config class, model class, config, LoRA targets)
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-    ),
-    "debug": dict(
+        decoder_sparse_step=1, attn_implementation="sdpa",
+    ), ATTENTION),
+    "gpt-oss-20b": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, intermediate_size=2880, vocab_size=201088, sliding_window=128,
+    ), ATTENTION),
+    "mistral-7b": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        vocab_size=32768, sliding_window=None, attn_implementation="sdpa",
+    ), "all-linear"),
+    "debug": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=211,
-    ),
+        decoder_sparse_step=1, attn_implementation="sdpa",
+    ), ATTENTION),
+    "debug-gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, vocab_size=211, sliding_window=8,
+    ), ATTENTION),
+    "debug-mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=211, sliding_window=None, attn_implementation="sdpa",
+    ), "all-linear"),
 }  # fmt: skip
 GiB = 2**30
 
@@ -42,20 +68,19 @@ def build(shape: str) -> torch.nn.Module:
     import peft
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        **SHAPES[shape], decoder_sparse_step=1, tie_word_embeddings=False, attn_implementation="sdpa"
-    )
+    config_class, model_class, fields, targets = SHAPES[shape]
+    config = getattr(transformers, config_class)(**fields, tie_word_embeddings=False)
     # built in bf16 from the start: an fp32 model of 30 B parameters (122 GB) would not fit the host
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = transformers.Qwen3MoeForCausalLM(config)
+            model = getattr(transformers, model_class)(config)
     finally:
         torch.set_default_dtype(default)
     model = model.to_empty(device="cpu")
     init_hf(model, config, tile=1 << 24)  # values do not matter here; drawing 30 B normals takes minutes
-    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0)
     model = peft.get_peft_model(model, lora)
     for p in model.parameters():  # adapters keep fp32 masters; the frozen base stays bf16
         if p.requires_grad:
@@ -105,7 +130,7 @@ def main() -> None:
     )
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    vocab = SHAPES[args.shape]["vocab_size"]
+    vocab = SHAPES[args.shape][2]["vocab_size"]
     times = []
     try:
         for step in range(args.steps + 1):
@@ -122,6 +147,7 @@ def main() -> None:
         engine.close()
     frozen = sum(g.data.numel() * g.data.element_size() for g in engine.store.groups if g.kind == "frozen")
     result = {
+        "shape": args.shape,
         "parameters": params,
         "trainable": sum(p.numel() for p in trainable),
         "step_s": times,
