@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from helpers import relative_error
+from test_hf import VOCAB, padded_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +20,6 @@ from lightning_roundpipe.models import hf  # noqa: E402
 from lightning_roundpipe.runtime import WorkerDevice  # noqa: E402
 from lightning_roundpipe.schedule import StagePlan  # noqa: E402
 
-VOCAB = 101
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -65,17 +65,6 @@ def tiny(arch: str) -> torch.nn.Module:
     if hasattr(config, "experts_implementation"):
         config.experts_implementation = "eager"
     return getattr(transformers, model_name)(config)
-
-
-def padded_batch(rows: int = 6, length: int = 10, seed: int = 1) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, VOCAB, (rows, length), generator=g)
-    attention_mask = torch.ones_like(input_ids)
-    for r, pad in enumerate([0, 3, 0, 5, 1, 0][:rows]):  # right padding of different lengths
-        if pad:
-            attention_mask[r, -pad:] = 0
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
 def assert_equals_the_model_run_directly(

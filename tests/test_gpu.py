@@ -603,15 +603,21 @@ def test_liger_blocks_run_without_host_syncs():
     hf.kernels.apply_liger(model, layers)
     layers = [layer.cuda() for layer in layers]
     ids = torch.randint(0, 97, (2, 16)).cuda()
-    state = layers[0]((ids, None, None, ids))
+    with torch.autocast("cuda", torch.bfloat16):
+        _blocks_run_without_host_syncs(layers, (ids, None, None, ids))
+
+
+def _blocks_run_without_host_syncs(layers: list[nn.Module], batch: tuple) -> None:
+    """Forward and backward through the blocks (every layer but the first and last) with torch raising at
+    the first operation that would wait for the GPU."""
+    state = layers[0](batch)
     hidden = state[0].detach().requires_grad_()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.autocast("cuda", torch.bfloat16):
-            out = (hidden, *state[1:])
-            for layer in layers[1:-1]:
-                out = layer(out)
+        out = (hidden, *state[1:])
+        for layer in layers[1:-1]:
+            out = layer(out)
         out[0].float().square().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -624,22 +630,12 @@ def test_every_dense_architectures_blocks_run_without_host_syncs(arch):
     device, so a worker can run ahead of it. (Mixtures of experts route on the host's knowledge of which
     experts got tokens in transformers' own code: not checked here.)"""
     pytest.importorskip("transformers")
-    from test_architectures import padded_batch, tiny
+    from test_architectures import tiny
+    from test_hf import padded_batch
 
     from lightning_roundpipe.models import hf
 
     layers = [layer.cuda() for layer in hf.build_layers(tiny(arch), split_decoder_layers=True)]
     batch = padded_batch()
     mask, positions = hf.plain_inputs(batch["attention_mask"], None)
-    state = layers[0]((batch["input_ids"].cuda(), mask.cuda(), positions, batch["labels"].cuda()))
-    hidden = state[0].detach().requires_grad_()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = (hidden, *state[1:])
-        for layer in layers[1:-1]:
-            out = layer(out)
-        out[0].float().square().mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    _blocks_run_without_host_syncs(layers, (batch["input_ids"].cuda(), mask.cuda(), positions, batch["labels"].cuda()))

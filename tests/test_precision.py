@@ -84,12 +84,13 @@ class Recorder(L.Callback):
         self.weights.append(flat_weights(pl_module).clone())
 
 
-def test_fp16_non_finite_gradients_skip_the_step_and_lower_the_scale():
-    class WithSpike(BoringPipeline):
-        def __init__(self):
-            super().__init__()
-            self.model.insert(4, Spike())
+class WithSpike(BoringPipeline):
+    def __init__(self):
+        super().__init__()
+        self.model.insert(4, Spike())
 
+
+def test_fp16_non_finite_gradients_skip_the_step_and_lower_the_scale():
     recorder = Recorder()
     _SPIKE.update(at_call=2, calls=0)
     try:
@@ -182,11 +183,6 @@ def test_sixteen_mixed_asynchronous_equals_the_staleness_one_reference_with_a_gr
 
 
 def test_sixteen_mixed_through_lightning_with_the_asynchronous_optimizer_skips_a_non_finite_step():
-    class WithSpike(BoringPipeline):
-        def __init__(self):
-            super().__init__()
-            self.model.insert(4, Spike())
-
     recorder = Recorder()
     _SPIKE.update(at_call=2, calls=0)
     try:
