@@ -13,6 +13,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   installed, its kernels in the stages);
 - ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
+- ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
+  a split stage's time goes);
 - ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
   copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
@@ -107,10 +109,11 @@ class LM(L.LightningModule):
 
 
 class Clock(L.Callback):
-    """Optimizer-step times after ``warmup`` steps, NVML's reading of the card at every step, the peaks."""
+    """Optimizer-step times after ``warmup`` steps (up to step ``last``), NVML's reading of the card at
+    every step, the peaks."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+    def __init__(self, warmup: int, last: int) -> None:
+        self.warmup, self.last = warmup, last
         self.stamps: list[float] = []
         self.nvml_gib: list[float] = []
         self.losses: list[float] = []
@@ -139,7 +142,7 @@ class Clock(L.Callback):
             self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning's is divided by it
         if trainer.global_step == self.warmup and torch.cuda.is_available():
             reset_peak_memory_stats(0)
-        if trainer.global_step >= self.warmup:
+        if self.warmup <= trainer.global_step <= self.last:
             engine = getattr(trainer.strategy, "engine", None)
             if engine is None and torch.cuda.is_available():
                 torch.cuda.synchronize()  # plain: the step's queued GPU work belongs to it
@@ -156,6 +159,8 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return RoundPipeStrategy(kernels="none"), False
     if config == "newcomer-sync":
         return RoundPipeStrategy(async_optimizer=False), False
+    if config == "newcomer-split":
+        return RoundPipeStrategy(split_decoder_layers=True), False
     if config == "newcomer-split-tiled":
         return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
     if config.startswith("tuned-"):
@@ -185,15 +190,19 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
     module = LM(model, fused=fused)
     parameters = num_parameters(model)
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + (1 if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
     accumulate = args.seqs // per_batch
     data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
-    clock = Clock(args.warmup)
+    clock = Clock(args.warmup, args.warmup + args.steps)
+    anatomy = Anatomy(args.warmup + args.steps)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
         max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
-        callbacks=[clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else [])],
+        callbacks=[
+            clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else []),
+            *([anatomy] if args.profile else []),
+        ],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     start = time.perf_counter()
@@ -218,9 +227,38 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
     }
+    if anatomy.result is not None:
+        result["anatomy"] = anatomy.result
     engine_state = getattr(trainer.strategy, "_last_engine", None)
     result.update(engine_state or {})
     return result
+
+
+class Anatomy(L.Callback):
+    """``--profile``: the device over one more optimizer step after the timed ones, its kernel seconds by
+    kind (matrix products, attention, norms, element-wise, loss, copies) and the idle between kernels."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.result: dict[str, Any] | None = None
+        self._prof: Any = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.fit_loop._should_accumulate() or not torch.cuda.is_available():
+            return
+        if trainer.global_step == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            self._prof.start()
+        elif trainer.global_step == self.step + 1 and self._prof is not None:
+            from throughput import device_events, kernel_gaps, kernel_kinds
+
+            torch.cuda.synchronize()
+            self._prof.stop()
+            kernels, copies = device_events(self._prof)
+            self.result = {"kinds": kernel_kinds(kernels, copies), "gaps": kernel_gaps(kernels)}
 
 
 class _ChunkedLoss(L.Callback):
@@ -269,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gpu-gib", type=float, default=0.0)
     parser.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
+    parser.add_argument("--profile", action="store_true", help="one more step under the profiler: kernel kinds")
     parser.add_argument("--config-timeout", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
@@ -288,6 +327,14 @@ def main(argv: list[str] | None = None) -> None:
             f" {r['gpu_torch_peak_gib'] or 0:9.2f} {r['host_peak_rss_gib']:9.2f}  {r.get('plan', '-')} / "
             f"{r.get('microbatches', '-')}"
         )
+    for r in results:
+        kinds = r.get("anatomy", {}).get("kinds")
+        if kinds:
+            parts = ", ".join(
+                f"{k} {v:.3f}" for k, v in sorted(kinds["seconds_by_kind"].items(), key=lambda kv: -kv[1])
+            )
+            print(f"{r['config']}: one step's device seconds: {parts}; idle {kinds['idle_between_kernels_s']:.3f}"
+                  f" of {kinds['span_s']:.3f}")  # fmt: skip
     write(args.out, sys.argv[1:] if argv is None else argv, __file__, results)
 
 

@@ -47,11 +47,7 @@ def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, Any]:
         step()
         torch.cuda.synchronize()
     wall_us = (time.perf_counter() - t0) * 1e6
-    kernels, copies = [], []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            row = (e.time_range.start, e.time_range.end, e.name)
-            (copies if "memcpy" in e.name.lower() else kernels).append(row)
+    kernels, copies = device_events(prof)
 
     def union(intervals: list[tuple[float, float, str]]) -> float:
         total, end = 0.0, float("-inf")
@@ -77,7 +73,46 @@ def profile_step(step: Any, out_dir: str | None, name: str) -> dict[str, Any]:
         "device_span_s": span_us / 1e6,
         "profiled_s": wall_us / 1e6,
         "kernel_gaps": kernel_gaps(kernels),
+        "kernel_kinds": kernel_kinds(kernels, copies),
     }
+
+
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "mha")),
+    ("matrix products", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "sm90", "sm80", "matmul", "wgmma")),
+    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp")),
+    ("norms", ("rms", "norm")),
+    ("element-wise and reductions", ("elementwise", "vectorized", "reduce", "unrolled", "silu", "swiglu", "rope",
+                                     "mul", "add", "copy", "cat", "index", "scatter", "gather", "where", "exp")),
+)  # fmt: skip
+"""Kernel kinds by name, first match wins (cuBLAS, cuDNN, flash-attention and Triton kernels all name
+themselves so); what none matches is "other"."""
+
+
+def kernel_kinds(kernels: list[tuple[float, float, str]], copies: list[tuple[float, float, str]]) -> dict[str, Any]:
+    """Device seconds by kind of kernel in one profiled window (the sum of their durations, streams
+    overlapping), the copies' seconds, the idle between kernels and the window's span: where a stage's
+    time goes."""
+    out: dict[str, float] = {"copies": sum(b - a for a, b, _ in copies) / 1e6}
+    events = kernels + copies
+    for a, b, name in kernels:
+        lower = name.lower()
+        kind = next((k for k, keys in KINDS if any(key in lower for key in keys)), "other")
+        out[kind] = out.get(kind, 0.0) + (b - a) / 1e6
+    gaps = kernel_gaps(kernels)
+    idle = sum(v["seconds"] for v in gaps.get("by_length", {}).values())
+    span = (max(b for _, b, _ in events) - min(a for a, _, _ in events)) / 1e6 if events else 0.0
+    return {"seconds_by_kind": out, "idle_between_kernels_s": idle, "span_s": span}
+
+
+def device_events(prof: Any) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
+    """A profiler's device kernels and copies as (start us, end us, name)."""
+    kernels, copies = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            row = (e.time_range.start, e.time_range.end, e.name)
+            (copies if "memcpy" in e.name.lower() else kernels).append(row)
+    return kernels, copies
 
 
 GAP_BUCKETS_US = (20.0, 200.0, 2000.0)
