@@ -160,7 +160,8 @@ class PipelineCalls:
                 " a loss computed on the host model is never backpropagated."
             )
         expected = self.step_loss / self.trainer.accumulate_grad_batches
-        if not torch.equal(closure_loss.detach().float().cpu(), expected):
+        returned = closure_loss.detach().float().cpu()
+        if not torch.allclose(returned, expected, rtol=0.0, atol=0.0, equal_nan=True):  # NaN is NaN (16-mixed skips)
             raise RuntimeError(
                 f"`training_step` returned a loss ({closure_loss.item():.6g}) that is not the value"
                 f" `pipeline_loss` computed ({self.step_loss.item():.6g}). Under roundpipe only the pipeline's"

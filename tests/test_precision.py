@@ -84,6 +84,37 @@ class Recorder(L.Callback):
         self.weights.append(flat_weights(pl_module).clone())
 
 
+class _NanForward(nn.Module):
+    """Identity whose output is NaN on one chosen training batch (the loss is NaN then)."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and _SPIKE["calls"] == _SPIKE["at_call"]:
+            return x * float("nan")
+        return x
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_fp16_a_nan_loss_is_a_skipped_step_not_an_error(async_optimizer):
+    """Under 16-mixed a non-finite loss is what loss scaling handles: the step is skipped, training goes on
+    (it once failed the check that the returned loss is the pipeline's: NaN is not equal to NaN)."""
+
+    class WithNan(BoringPipeline):
+        def __init__(self):
+            super().__init__()
+            self.model.insert(4, _NanForward())
+
+    recorder = Recorder()
+    _SPIKE.update(at_call=2, calls=0)
+    try:
+        strategy = RoundPipeStrategy(precision_plugin=RoundPipePrecision("16-mixed"), async_optimizer=async_optimizer,
+                                     plan="|10")  # fmt: skip
+        fit(WithNan, {**CPU, "devices": 1, "strategy": strategy, "callbacks": [recorder]})
+    finally:
+        _SPIKE.update(at_call=-1, calls=0)
+    assert len(recorder.weights) == 8 and all(torch.isfinite(w).all() for w in recorder.weights)
+    assert min(recorder.scales) == 32768.0  # lowered once
+
+
 class WithSpike(BoringPipeline):
     def __init__(self):
         super().__init__()
