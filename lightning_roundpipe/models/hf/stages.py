@@ -90,8 +90,9 @@ class _Half(nn.Module):
     def _norm(self, name: str | None, x: Tensor) -> Tensor:
         return x if name is None else getattr(self, name)(x)
 
-    def _branch(self, out: Tensor) -> Tensor:
-        out = self._norm(self.after, out)
+    def _branch(self, out: Tensor, normed: bool = False) -> Tensor:
+        """The branch added to the residual: its norm after (unless ``normed``), dropout, multiplier."""
+        out = out if normed else self._norm(self.after, out)
         if self.dropout is not None:
             out = getattr(self, self.dropout)(out)
         return out if self.multiplier is None else out * self.multiplier
@@ -147,11 +148,8 @@ class MlpStage(_Half):
                 " (output_router_logits=True): the load-balancing loss needs them whole"
             )
         with _RouterLogits(router) as logits:
-            out = tiled(self, self._norm_mlp, hidden, self.tile_tokens)
-        if self.dropout is not None:
-            out = getattr(self, self.dropout)(out)
-        if self.multiplier is not None:
-            out = out * self.multiplier
+            out = tiled(self, self._norm_mlp, hidden, self.tile_tokens)  # the norm after included: token-wise
+        out = self._branch(out, normed=True)
         if logits:
             assert sums is not None
             sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
