@@ -40,11 +40,13 @@ from __future__ import annotations
 import argparse
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -108,16 +110,47 @@ class LM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
 
+class ResidentMemory:
+    """The process's resident memory sampled every 20 ms on a thread: the peak since the last reading,
+    so a step's peak shows where the host's high-water mark (``ru_maxrss``) came from."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._peak = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def reading(self) -> tuple[float, float]:
+        """(resident now, peak since the previous reading), GiB."""
+        now = self._process.memory_info().rss
+        peak, self._peak = max(self._peak, now), now
+        return now / GiB, peak / GiB
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Clock(L.Callback):
     """Optimizer-step times after ``warmup`` steps (up to step ``last``), NVML's reading of the card at
-    every step, the peaks."""
+    every step, the peaks; resident host memory before the first batch (the host store built) and at
+    every step, with the peak in between."""
 
-    def __init__(self, warmup: int, last: int) -> None:
+    def __init__(self, warmup: int, last: int, resident: ResidentMemory) -> None:
         self.warmup, self.last = warmup, last
         self.stamps: list[float] = []
         self.nvml_gib: list[float] = []
         self.losses: list[float] = []
+        self.resident = resident
+        self.host_gib: list[dict[str, Any]] = []
         self._handle: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        now, peak = self.resident.reading()
+        self.host_gib.append({"at": "train start", "rss": round(now, 2), "peak": round(peak, 2)})
 
     def _nvml(self) -> float | None:
         try:
@@ -133,6 +166,8 @@ class Clock(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         if trainer.fit_loop._should_accumulate():
             return
+        now, peak = self.resident.reading()
+        self.host_gib.append({"at": f"step {trainer.global_step}", "rss": round(now, 2), "peak": round(peak, 2)})
         if torch.cuda.is_available():
             used = self._nvml()
             if used is not None:
@@ -184,7 +219,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
         apply_liger_kernel_to_qwen3()
+    resident = ResidentMemory()
     model = qwen3(shape, torch.bfloat16 if args.precision == "bf16-true" else torch.float32)
+    built_gib = resident.reading()
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
@@ -194,7 +231,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     per_batch = args.micro_batch if plain else args.seqs
     accumulate = args.seqs // per_batch
     data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
-    clock = Clock(args.warmup, args.warmup + args.steps)
+    clock = Clock(args.warmup, args.warmup + args.steps, resident)
     anatomy = Anatomy(args.warmup + args.steps)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
@@ -226,7 +263,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
+        "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
+        "host_gib_by_step": clock.host_gib,
     }
+    resident.stop()
     if anatomy.result is not None:
         result["anatomy"] = anatomy.result
     engine_state = getattr(trainer.strategy, "_last_engine", None)
@@ -288,6 +328,7 @@ class _Remember(L.Callback):
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
+            "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
             "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
             "recovered_batches": engine.recovery.recovered,

@@ -427,6 +427,7 @@ def test_a_buffer_that_does_not_fit_first_gives_back_idle_buffers_of_other_sizes
     del old
     new = pool.take(36 << 20, torch.uint8)  # 6 + 36 MiB would not fit in 40: the idle 6 MiB go first
     assert new.numel() == 36 << 20 and pool.buffer_bytes == pool.pinned_bytes == 36 << 20
+    assert pool.peak_buffer_bytes == 36 << 20  # the 6 MiB went before the 36 came: never both at once
     with pytest.raises(HostMemoryError, match="host memory"):
         pool.take(6 << 20, torch.uint8)  # nothing idle is left to give back
     pool.close()

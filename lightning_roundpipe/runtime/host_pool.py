@@ -75,6 +75,8 @@ class HostPool:
         """Bytes page-locked: tensors registered from outside plus the pool's own buffers."""
         self.buffer_bytes = 0
         """Bytes of the pool's own (pinned) buffers: the most that was in transit at once, or waiting."""
+        self.peak_buffer_bytes = 0
+        """The most :attr:`buffer_bytes` ever held (trimming lowers the one, never the other)."""
 
     def _make_room(self, numel: int, dtype: torch.dtype) -> None:
         nbytes = numel * dtype.itemsize
@@ -145,6 +147,7 @@ class HostPool:
         self.register(buffer)
         with self._lock:
             self.buffer_bytes += buffer.numel() * buffer.element_size()
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return buffer
 
     def free_bytes(self) -> int:

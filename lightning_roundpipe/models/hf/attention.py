@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as _copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -27,16 +28,39 @@ def _attention_inputs(
     # the SDPA shortcut to `is_causal` cannot apply; transformers would still test the mask for it on
     # the device in every block, a host sync each time. Where it takes the flag, it is told not to.
     skip = {"allow_is_causal_skip": False} if attention_mask is not None and position_ids is None else {}
+    # Eager attention's mask is the SDPA one turned additive, but transformers makes the 0 of `where` a
+    # device tensor from the host: a sync per block. The boolean mask is asked for, and turned here.
+    sdpa_config = _as_sdpa(config) if getattr(config, "_attn_implementation", None) == "eager" else None
+    if sdpa_config is not None:
+        config, skip = sdpa_config, {"allow_is_causal_skip": False}
     if skip and not _takes_causal_skip_flag(make_mask):
         skip = {}
     # (config, inputs_embeds, attention_mask, cache): the cache argument is positional on purpose.
     # Positions travel only when they are not 0..T-1 (packed sequences); see `plain_inputs`.
     mask = make_mask(config, hidden, attention_mask, None, position_ids=position_ids, **skip)
+    if sdpa_config is not None and isinstance(mask, Tensor) and mask.dtype == torch.bool:
+        additive = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
+        mask = additive.masked_fill_(mask.logical_not(), torch.finfo(hidden.dtype).min)
     positions = position_ids
     if positions is None:
         positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
     rotary = rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
     return mask, positions, rotary
+
+
+_SDPA_TWINS: dict[int, tuple[Any, Any]] = {}
+
+
+def _as_sdpa(config: Any) -> Any | None:
+    """A shallow copy of ``config`` that asks transformers' mask functions for SDPA's boolean mask (the
+    internal field set directly: the public setter would also rewrite sub-configs the copy shares), or
+    ``None`` where this release keeps the implementation elsewhere."""
+    twin = _SDPA_TWINS.get(id(config))
+    if twin is None or twin[0] is not config:
+        copy = _copy.copy(config)
+        copy.__dict__["_attn_implementation_internal"] = "sdpa"
+        twin = _SDPA_TWINS[id(config)] = (config, copy if copy._attn_implementation == "sdpa" else None)
+    return twin[1]
 
 
 @functools.cache
