@@ -332,6 +332,7 @@ class _Remember(L.Callback):
             "kernels": trainer.strategy.kernels,
             "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
             "recovered_batches": engine.recovery.recovered,
+            "frozen_bytes": sum(g.data.nbytes for g in engine.store.groups if g.kind == "frozen"),
         }
 
 

@@ -4,8 +4,10 @@ Shapes (``--shape``): Qwen3-30B-A3B (a mixture of experts: 48 layers, 128 expert
 GPT-OSS-20B (24 layers, 32 experts, 4 per token, attention sinks, alternating sliding windows) and
 Mistral-7B (dense). The model is built in bf16 on the host (a 21 B model in fp32 would not leave the host
 room for its pinned copy), wrapped with ``peft`` LoRA (the attention projections of a mixture of experts;
-every linear layer of a dense model's blocks) and trained through its preset with the asynchronous host
-optimizer. Prints tokens/s, peak GPU memory under the cap, and host memory: the frozen weights (kept
+every linear layer of a dense model's blocks) and trained as a user would:
+``Trainer(strategy="roundpipe", precision="bf16-mixed")`` with every default (``--micro-batch`` fixes
+the micro-batch count) and the LightningModule of ``lightning_user.py`` (``self.model(**batch).loss``,
+``AdamW(self.parameters())``). Prints tokens/s, peak GPU memory under the cap, and host memory: the frozen weights (kept
 once, in bf16) and everything else. ``--shape debug`` (or ``debug-gpt-oss``, ``debug-mistral``)
 ``--device cpu`` is a smoke test.
 
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,70 +95,66 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--gpu-gib", type=float, default=24.0)
-    p.add_argument("--seqs", type=int, default=8)
+    p.add_argument("--seqs", type=int, default=8, help="sequences per optimizer step (one batch)")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch (0: roundpipe chooses)")
+    p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (roundpipe measures its layers)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    from lightning_roundpipe.engine import PipelineEngine
-    from lightning_roundpipe.models import hf
-    from lightning_roundpipe.runtime import WorkerDevice
-    from lightning_roundpipe.runtime.device import CudaWorkerDevice
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    import lightning as L
+    from lightning_user import LM, Clock, ResidentMemory, Tokens, _Remember
+
+    from lightning_roundpipe import RoundPipeStrategy
 
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(0)
         torch.cuda.set_per_process_memory_fraction(
             args.gpu_gib * GiB / torch.cuda.get_device_properties(0).total_memory
         )
-    rss0 = psutil.Process().memory_info().rss
+    resident = ResidentMemory()
     t0 = time.perf_counter()
     model = build(args.shape)
     built_s = time.perf_counter() - t0
+    built_gib = resident.reading()
     print(f"model built in {built_s:.0f} s", flush=True)
     params = sum(p.numel() for p in model.parameters())
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    device = CudaWorkerDevice("cuda:0", 0) if cuda else WorkerDevice("cpu", 0)
-    engine = PipelineEngine(
-        hf.build_layers(model),
-        [device],
-        microbatches_per_round=args.seqs // args.micro_batch,
-        compute_dtype=torch.bfloat16,
-        autocast_dtype=torch.bfloat16,
-        asynchronous=True,
-    )
-    opt = torch.optim.AdamW(trainable, lr=1e-4)
-    g = torch.Generator().manual_seed(1)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     vocab = SHAPES[args.shape][2]["vocab_size"]
-    times = []
-    try:
-        for step in range(args.steps + 1):
-            ids = torch.randint(0, vocab, (args.seqs, args.seq_len), generator=g)
-            start = time.perf_counter()
-            inputs = (ids, None, torch.arange(args.seq_len).expand_as(ids), ids)
-            engine.train_batch(inputs, ids, lambda out, _: out, reduction=hf.counted_tokens)
-            engine.submit_step(UpdateSpec.capture(opt))
-            print(f"step {step}: {time.perf_counter() - start:.2f} s", flush=True)
-            if step:
-                times.append(time.perf_counter() - start)
-        engine.flush()
-    finally:
-        engine.close()
-    frozen = sum(g.data.numel() * g.data.element_size() for g in engine.store.groups if g.kind == "frozen")
+    steps = args.warmup + args.steps
+    clock = Clock(args.warmup, steps, resident)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=args.seqs // args.micro_batch) if args.micro_batch else "roundpipe",
+        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed", max_steps=steps, logger=False,
+        callbacks=[clock, _Remember()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    data = torch.utils.data.DataLoader(Tokens(vocab, args.seqs * steps, args.seq_len), batch_size=args.seqs)
+    trainer.fit(LM(model), data)
+    resident.stop()
+    seconds = clock.stamps[-1] - clock.stamps[0]
+    timed = len(clock.stamps) - 1
+    engine = trainer.strategy._last_engine
     result = {
         "shape": args.shape,
         "parameters": params,
-        "trainable": sum(p.numel() for p in trainable),
-        "step_s": times,
-        "tokens_per_s": args.seqs * args.seq_len * len(times) / sum(times),
+        "trainable": trainable,
+        "seqs": args.seqs,
+        "seq_len": args.seq_len,
+        "timed_steps": timed,
+        "tokens_per_s": args.seqs * args.seq_len * timed / seconds,
         "peak_gpu_gib": max_memory_allocated() / GiB if cuda else 0.0,
+        "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
         "gpu_cap_gib": args.gpu_gib if cuda else None,
-        "host_rss_gib": (psutil.Process().memory_info().rss - rss0) / GiB,
-        "frozen_host_bytes_per_frozen_param": frozen / (params - sum(p.numel() for p in trainable)),
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
+        "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / params,
+        "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
+        "host_gib_by_step": clock.host_gib,
+        "frozen_host_bytes_per_frozen_param": engine["frozen_bytes"] / max(1, params - trainable),
+        "losses": clock.losses,
         "build_s": built_s,
+        **{k: engine[k] for k in ("plan", "microbatches", "pinned_gib", "transit_peak_gib", "kernels")},
     }
     print(json.dumps(result, indent=1))
     if args.out:
