@@ -103,6 +103,31 @@ def test_profiles_then_partitions_around_the_slow_layer_and_stays_exact(monkeypa
 
 
 @pytest.mark.timeout(120)
+def test_a_measuring_batch_runs_its_micro_batches_one_per_round(monkeypatch):
+    """One layer per stage keeps every layer's input on the host until its backward: rounds of one
+    micro-batch keep two micro-batches' worth of them there, not the whole batch's (on a GPU, pinned).
+    The gradients stay plain autograd's; the plan's batches run the count in one round."""
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = auto_engine(net, check_every=1)
+    seen, use = [], engine.planner.use
+
+    def recording(flight, store):
+        schedule = flight.schedule
+        seen.append((schedule.plan == LayerProfile.plan(8), schedule.microbatches_per_round, schedule.num_rounds))
+        return use(flight, store)
+
+    monkeypatch.setattr(engine.planner, "use", recording)
+    try:
+        assert engine.planner.counts(8) == (1, 2)
+        train_and_compare(engine, net, reference, 3)
+        assert engine.planner.counts(8) == (2, 1)
+    finally:
+        engine.close()
+    assert seen[0] == (True, 1, 2) and seen[1:] and all(s == (False, 2, 1) for s in seen[1:])
+
+
+@pytest.mark.timeout(120)
 def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
     """Left unset, the count is measured at two micro-batch sizes (the default 4, then 8) and chosen with
     the plan: a layer costing the same 20 ms per micro-batch whatever its size favours few micro-batches."""

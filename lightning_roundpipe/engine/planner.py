@@ -131,7 +131,9 @@ class AutoPlanner:
         """Micro-batches per round and rounds for a batch of ``samples``. A batch smaller than the count
         runs as fewer micro-batches (the loss and gradients are the same: each micro-batch weighs its share
         of the batch); a count the user gave is lowered so, with one warning. The odd batches measuring the
-        layers, when the count is chosen, run twice the count (half the micro-batch size)."""
+        layers, when the count is chosen, run twice the count (half the micro-batch size), one micro-batch
+        per round: their every layer's input waits on the host for backward, two micro-batches' worth at a
+        time, not the whole batch's (Qwen3-8B shape, 32 x 2048 tokens: 37 boundaries of 0.5 GiB)."""
         if samples < 1:
             raise ValueError("a batch of 0 samples has nothing to train on; skip it before the model call")
         per_round, rounds = self.microbatches_per_round, self.num_rounds
@@ -148,6 +150,8 @@ class AutoPlanner:
                 " differently). This warning is not repeated.",
                 stacklevel=outside_package(),
             )
+        if self.profile is not None:
+            return 1, per_round * rounds
         return per_round, rounds
 
     @property
@@ -236,8 +240,8 @@ class AutoPlanner:
                     plan = self._choose(self.fitted, store, samples, limit, scale)
                     self.memory_limit = limit
                     return plan
-        if (per_round := flight.schedule.microbatches_per_round) * flight.schedule.num_rounds < flight.samples:
-            self.microbatches_per_round = max(self.microbatches_per_round, 2 * per_round)
+        if (total := flight.schedule.microbatches_per_round * flight.schedule.num_rounds) < flight.samples:
+            self.microbatches_per_round = max(self.microbatches_per_round, 2 * total // self.num_rounds)
             return self.plan
         stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]  # one sample per micro-batch already:
         return flight.schedule.plan.split(stage.slot) if len(stage.layers) > 1 and self.profile is None else None
@@ -314,18 +318,14 @@ class AutoPlanner:
                 self.drifted = 0
 
     def _measuring_fits(self) -> bool:
-        """Whether the host can hold a batch under the measuring plan. One layer per stage keeps every
-        layer's input on the host until its backward, where a plan keeps only its backward stages'
-        inputs: at long sequences that can be twice the host memory of a planned batch (by arithmetic on
-        one H200 at 327,680 tokens: 57 boundaries of 1.25 GiB against the plan's 29). A run that fits its
-        plan must not die of a re-measurement hours in; it keeps its plan instead, and says so once.
-
-        The estimate takes every boundary as wide as the widest the last recorded batch passed (a
-        decoder's are all one hidden state wide), two rounds of micro-batches alive at once (workers
-        overlap a round's backward with the next one's forward), and, in asynchronous mode, two batches."""
-        measuring = len(LayerProfile.plan(self.num_layers).saved_boundaries())
-        alive = min(self.num_microbatches, 2 * self.microbatches_per_round) * (2 if self.asynchronous else 1)
-        need = (measuring - len(self.plan.saved_boundaries())) * alive * self._boundary_bytes
+        """Whether the host can hold a measuring batch (every layer's input kept for backward, where a plan
+        keeps its backward stages'): a run that fits its plan must not die of a re-measurement hours in;
+        it keeps its plan, and says so once. Boundaries as wide as the last recorded batch's widest, two
+        rounds alive (one micro-batch each when measuring); a guarded measuring batch runs beside at most
+        one of the plan's, where the plan runs two."""
+        measuring = len(LayerProfile.plan(self.num_layers).saved_boundaries()) * min(self.num_microbatches, 2)
+        planned = len(self.plan.saved_boundaries()) * min(self.num_microbatches, 2 * self.microbatches_per_round)
+        need = max(0, measuring - planned) * self._boundary_bytes
         left = self.pool.available() - self.pool.reserve
         if need <= left:
             return True
