@@ -15,6 +15,7 @@
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
 #        throughput-tail (issue 3: 3 and 2 fused blocks with the step's tail summed on the device)
 #        lightning-user lightning-user-24gib lightning-user-long (issue 23: what a newcomer's Trainer code gets)
+#        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels (issue 24: SDPA backends, LM-head losses at the 1.7B shape)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -77,6 +78,14 @@ for step in "${steps[@]}"; do
         --config-timeout 170 --out "$OUT/lightning-user.json" ;;
     lightning-user-24gib) run lightning-user-24gib 400 python benchmarks/lightning_user.py --gpu-gib 24 \
         --configs newcomer,tuned-4,tuned-8 --config-timeout 150 --out "$OUT/lightning-user-24gib.json" ;;
+    host-8b)  # issue 25: the 8B shape in bf16-true at 24 GiB, synchronous, with the host timeline (about 230 s)
+      run host-8b 290 python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true --gpu-gib 24 \
+        --configs newcomer-sync --config-timeout 280 --out "$OUT/host-8b.json" ;;
+    lora-gpt-oss|lora-mistral)  # issue 26: LoRA through Trainer at 24 GiB (gpt-oss-20b, mistral-7b)
+      shape=$([ "$step" = lora-gpt-oss ] && echo gpt-oss-20b || echo mistral-7b)
+      run "$step" 240 python benchmarks/moe_lora.py --shape "$shape" --out "$OUT/$step.json" ;;
+    sdpa) run sdpa 60 python benchmarks/sdpa_backends.py --out "$OUT/sdpa.json" ;;
+    loss-kernels) run loss-kernels 90 python benchmarks/loss_kernels.py --out "$OUT/loss-kernels.json" ;;
     lightning-user-long)  # batch size 1 at 131,072 tokens on the 24 GiB card, split and tiled layers, no other argument
       run lightning-user-long 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-split-tiled \
         --seqs 1 --seq-len 131072 --warmup 3 --steps 2 --config-timeout 280 --out "$OUT/lightning-user-long.json" ;;
