@@ -15,7 +15,7 @@
 #        throughput-fused-2-3 (issue 3: fused stages of 2 and 3 blocks) throughput-gaps (3 blocks, idle gaps) hf-padded (the preset with a padding mask)
 #        throughput-tail (issue 3: 3 and 2 fused blocks with the step's tail summed on the device)
 #        lightning-user lightning-user-24gib lightning-user-long (issue 23: what a newcomer's Trainer code gets)
-#        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels (issue 24: SDPA backends, LM-head losses at the 1.7B shape)
+#        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels kernel-experiments (issue 24: SDPA backends, LM-head losses, both under Trainer)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -86,6 +86,9 @@ for step in "${steps[@]}"; do
       run "$step" 240 python benchmarks/moe_lora.py --shape "$shape" --out "$OUT/$step.json" ;;
     sdpa) run sdpa 60 python benchmarks/sdpa_backends.py --out "$OUT/sdpa.json" ;;
     loss-kernels) run loss-kernels 90 python benchmarks/loss_kernels.py --out "$OUT/loss-kernels.json" ;;
+    kernel-experiments)  # issue 24: cuDNN attention first, Liger's fused CE in 2,048-token chunks, through Trainer
+      run kernel-experiments 330 python benchmarks/lightning_user.py --configs newcomer,newcomer-cudnn,newcomer-flce2048 \
+        --config-timeout 105 --out "$OUT/kernel-experiments.json" ;;
     lightning-user-long)  # batch size 1 at 131,072 tokens on the 24 GiB card, split and tiled layers, no other argument
       run lightning-user-long 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-split-tiled \
         --seqs 1 --seq-len 131072 --warmup 3 --steps 2 --config-timeout 280 --out "$OUT/lightning-user-long.json" ;;
