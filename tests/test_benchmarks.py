@@ -25,6 +25,7 @@ SMOKE = {
                   "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--in-process", *TINY],
     "lightning_user": ["--device", "cpu", "--model", "debug", "--configs", "plain,newcomer,tuned-2", "--seqs", "4",
                        "--micro-batch", "2", "--steps", "2", "--warmup", "3", "--in-process", *TINY],
+    "measuring_memory": ["--device", "cpu", "--layers", "3", "--width", "8", "--batch", "64"],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
                           "2", "--warmup", "1", "--in-process", *TINY],
