@@ -10,15 +10,17 @@ kernel with ``chunk_mem_const`` raised so chunks are about 2,048 tokens, and rou
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from lightning_roundpipe.models import chunked_linear_cross_entropy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _driver import write
 
 
 def liger(chunk_tokens: int | None):
@@ -86,15 +88,7 @@ def main() -> None:
         for name, fn in losses.items():
             results.append(measure(name, fn, tokens, args.hidden, args.vocab))
             print(results[-1], flush=True)
-    if args.out:
-        meta = {
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "python benchmarks/loss_kernels.py " + " ".join(sys.argv[1:]),
-            "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    write(args.out, sys.argv[1:], __file__, results)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ causal half of ``4 * B * H * T^2 * D`` forward and 2.5 times that backward.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _driver import write
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -80,16 +82,8 @@ def main() -> None:
     results = [measure(b, *shape, gqa) for gqa in (False, True) for b in BACKENDS]
     for r in results:
         print(r, flush=True)
-    if args.out:
-        meta = {
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "python benchmarks/sdpa_backends.py " + " ".join(sys.argv[1:]),
-            "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "shape": dict(zip(("batch", "heads", "kv_heads", "seq_len", "head_dim"), shape)),
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    shape_meta = dict(zip(("batch", "heads", "kv_heads", "seq_len", "head_dim"), shape))
+    write(args.out, sys.argv[1:], __file__, [{"shape": shape_meta, **r} for r in results])
 
 
 if __name__ == "__main__":
