@@ -13,8 +13,7 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   installed, its kernels in the stages);
 - ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
-- ``newcomer-cudnn``, ``newcomer-flce2048``: the defaults with cuDNN first among the SDPA backends, or with
-  Liger's fused cross-entropy in chunks of about 2,048 tokens (experiments: see ``experiment``);
+- ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
 - ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
@@ -192,7 +191,7 @@ def strategy_for(config: str) -> tuple[Any, bool]:
     """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one."""
     if config in ("plain", "plain-liger"):
         return "auto", True
-    if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flce2048"):
+    if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn"):
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
@@ -206,7 +205,7 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
-        " newcomer-cudnn, newcomer-flce2048, newcomer-split, newcomer-sync,"
+        " newcomer-cudnn, newcomer-split, newcomer-sync,"
         " newcomer-split-tiled or tuned-N"
     )
 
@@ -311,36 +310,14 @@ class Anatomy(L.Callback):
 def experiment(config: str) -> Iterator[None]:
     """What an experimental configuration changes for the whole run, before the library does it itself:
     ``newcomer-cudnn`` puts cuDNN first among the SDPA backends (process-wide flags, which the worker
-    threads read); ``newcomer-flce2048`` has the output stage call Liger's fused linear cross-entropy with
-    ``chunk_mem_const`` raised so its chunks are about 2,048 tokens (its own choice is
-    ``next_power_of_2(tokens / ceil(vocab / hidden))``: 512 at 16 x 2048 tokens)."""
+    threads read). (``newcomer-flce2048``, Liger's fused cross-entropy in 2,048-token chunks, measured
+    2026-12-02, is the default since.)"""
     if config == "newcomer-cudnn":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
         with sdpa_kernel([*order, SDPBackend.MATH], set_priority=True):
             yield
-        return
-    if config == "newcomer-flce2048":
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-        from lightning_roundpipe.models.hf import stages
-
-        def fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                  softcap: float | None = None) -> torch.Tensor:  # fmt: skip
-            flat, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-            const = max(1, weight.shape[0] * 2048 // (flat.shape[1] * flat.shape[0]))
-            total = liger_fused_linear_cross_entropy(
-                flat, weight, labels, ignore_index=ignore_index, reduction="sum", softcap=softcap,
-                accum_dtype=torch.float32, chunk_mem_const=const,
-            )  # fmt: skip
-            return total / (labels != ignore_index).sum().clamp_min(1)
-
-        original, stages.fused_linear_cross_entropy = stages.fused_linear_cross_entropy, fused
-        try:
-            yield
-        finally:
-            stages.fused_linear_cross_entropy = original
         return
     yield
 

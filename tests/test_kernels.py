@@ -114,3 +114,15 @@ def test_the_choice_is_checked_and_auto_keeps_cpu_workers_on_the_models_code(mon
         hf.kernels.resolve("liger", cuda=True)
     with pytest.raises(ValueError, match=r"kernels='fast'\) must be one of \('auto', 'liger', 'none'\)"):
         RoundPipeStrategy(kernels="fast")
+
+
+@pytest.mark.parametrize("tokens", [8192, 32768, 65536])
+def test_liger_cross_entropy_chunks_are_about_2048_tokens(tokens):
+    """Liger cuts ``tokens`` into ``ceil(vocab / (const * hidden))`` chunks rounded up to a power of two;
+    the constant we pass makes them 2,048 tokens at the Qwen3 shapes (Liger's own: 128 at 8,192)."""
+    for hidden in (2048, 2560, 4096):
+        const = hf.kernels.chunk_mem_const(tokens, hidden, 151936)
+        pieces = -(-151936 // (const * hidden))
+        chunk = 1 << (-(-tokens // pieces) - 1).bit_length()
+        assert chunk == 2048, (hidden, const, chunk)
+    assert hf.kernels.chunk_mem_const(16, 64, 97) >= 1

@@ -91,25 +91,34 @@ def apply_liger(model: nn.Module, layers: list[nn.Module]) -> list[str]:
     return [f"{kind} x{n}" for kind, n in sorted(counts.items())]
 
 
+FLCE_CHUNK_TOKENS = 2048
+"""Tokens per chunk of Liger's fused linear cross-entropy. Its own choice, ``next_power_of_2(tokens /
+ceil(vocab / hidden))``, is 128 tokens at 8,192 (Qwen3-1.7B shape): measured on an H200 3.3x slower
+there than 2,048-token chunks (1.27x at 32,768 tokens), at the same peak memory."""
+
+
+def chunk_mem_const(tokens: int, hidden: int, vocab: int, chunk_tokens: int = FLCE_CHUNK_TOKENS) -> int:
+    """Liger's ``chunk_mem_const`` for chunks of about ``chunk_tokens``: it cuts ``tokens`` into
+    ``ceil(vocab / (const * hidden))`` chunks (each rounded up to a power of two)."""
+    return max(1, vocab * chunk_tokens // (hidden * max(tokens, 1)))
+
+
 def fused_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, softcap: float | None = None
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels)`` averaged over the counted tokens, by Liger's fused
-    kernel: logits in chunks, the loss's gradients computed in the forward (as the chunked loss does),
-    the head's gradient summed in fp32. The count divides on the device: no host sync."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    kernel: logits in chunks of about :data:`FLCE_CHUNK_TOKENS`, the loss's gradients computed in the
+    forward (as the chunked loss does), the head's gradient summed in fp32. The count divides on the
+    device: no host sync."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    key = (ignore_index, softcap)
-    if key not in _FLCE:
-        _FLCE[key] = LigerFusedLinearCrossEntropyLoss(
-            ignore_index=ignore_index, reduction="sum", softcap=softcap, accum_dtype=torch.float32
-        )
-    flat_labels = labels.reshape(-1)
-    total = _FLCE[key](weight, hidden.reshape(-1, hidden.shape[-1]), flat_labels)
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    const = chunk_mem_const(flat_hidden.shape[0], flat_hidden.shape[1], weight.shape[0])
+    total = liger_fused_linear_cross_entropy(
+        flat_hidden, weight, flat_labels, ignore_index=ignore_index, reduction="sum", softcap=softcap,
+        accum_dtype=torch.float32, chunk_mem_const=const,
+    )  # fmt: skip
     return total / (flat_labels != ignore_index).sum().clamp_min(1)
-
-
-_FLCE: dict[tuple[int, float | None], Any] = {}
 
 
 def remove(model: nn.Module) -> None:
