@@ -128,6 +128,23 @@ def test_a_measuring_batch_runs_its_micro_batches_one_per_round(monkeypatch):
 
 
 @pytest.mark.timeout(120)
+def test_the_pool_lets_go_of_one_measuring_sizes_buffers_before_the_other_takes_its_own(monkeypatch):
+    """The two measuring batches cut micro-batches of two sizes: the first one's pinned boundaries would
+    idle in the pool while the second allocates its own (6 GiB of peak RSS on the Qwen3-8B shape)."""
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = PipelineEngine(list(net.children()), [WorkerDevice("cpu", 0)], plan="auto", profile_steps=2,
+                            check_every=0)  # fmt: skip
+    trims = []
+    monkeypatch.setattr(engine.pool, "trim_idle", lambda: trims.append((engine.calls, engine.planner.measuring)))
+    try:
+        train_and_compare(engine, net, reference, 3)
+    finally:
+        engine.close()
+    assert [t for t in trims if t[1]] == [(1, True)]  # as the second measuring batch starts, once
+
+
+@pytest.mark.timeout(120)
 def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
     """Left unset, the count is measured at two micro-batch sizes (the default 4, then 8) and chosen with
     the plan: a layer costing 20 ms per micro-batch and 5 ms per sample favours few micro-batches. (With

@@ -82,6 +82,7 @@ class Launcher:
         self.overlap, self.guards, self.give_back = overlap, guards, give_back
         self.asynchronous = crew.optimizer is not None
         self._warned_empty = False
+        self._measured_size = 0  # samples per micro-batch of the last measuring batch
 
     def launch(
         self, batch: Batch, call: int, first_worker: int, retry: bool = False, skip: frozenset[int] = frozenset()
@@ -89,6 +90,13 @@ class Launcher:
         """Split, stage and dispatch ``batch`` as batch number ``call`` starting on ``first_worker``;
         ``retry``: it ran out of device memory before, and its groups ``skip`` are on the host."""
         per_round, rounds = self.planner.counts(batch.samples)
+        if self.planner.measuring:
+            size = math.ceil(batch.samples / (per_round * rounds))
+            if size != self._measured_size and self._measured_size:
+                # the measuring batches alternate two micro-batch sizes: the other size's boundary buffers
+                # only idle in the pool while this batch takes new ones (Qwen3-8B shape: 6 GiB of peak RSS)
+                self.pool.trim_idle()
+            self._measured_size = size
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
         mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, batch.reduction)
