@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -231,12 +232,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
     module = LM(model, fused=fused)
     parameters = num_parameters(model)
-    steps = args.warmup + args.steps + (1 if args.profile else 0)
+    steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
     accumulate = args.seqs // per_batch
     data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
     clock = Clock(args.warmup, args.warmup + args.steps, resident)
-    anatomy = Anatomy(args.warmup + args.steps)
+    anatomy = Anatomy(args.warmup + args.steps, args.profile_steps)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
         max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
@@ -280,11 +281,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class Anatomy(L.Callback):
-    """``--profile``: the device over one more optimizer step after the timed ones, its kernel seconds by
-    kind (matrix products, attention, norms, element-wise, loss, copies) and the idle between kernels."""
+    """``--profile``: the device over ``count`` more optimizer steps after the timed ones, its kernel seconds
+    by kind (matrix products, attention, norms, element-wise, loss, copies) and the idle between kernels;
+    over two or more steps the largest gaps include those between steps, each with the copies that ran
+    in it (an idle device with uploads running waits for weights; with none, for the host)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, count: int = 1) -> None:
+        self.step, self.count = step, count
         self.result: dict[str, Any] | None = None
         self._prof: Any = None
 
@@ -297,13 +300,23 @@ class Anatomy(L.Callback):
             torch.cuda.synchronize()
             self._prof = profile(activities=[ProfilerActivity.CUDA])
             self._prof.start()
-        elif trainer.global_step == self.step + 1 and self._prof is not None:
+        elif trainer.global_step == self.step + self.count and self._prof is not None:
             from throughput import device_events, kernel_gaps, kernel_kinds
 
             torch.cuda.synchronize()
             self._prof.stop()
             kernels, copies = device_events(self._prof)
-            self.result = {"kinds": kernel_kinds(kernels, copies), "gaps": kernel_gaps(kernels)}
+            gaps = kernel_gaps(kernels)
+            origin = min(k[0] for k in kernels) if kernels else 0.0
+            for gap in gaps.get("largest", []):
+                start = origin + gap["at_ms"] * 1e3
+                stop = start + gap["ms"] * 1e3
+                during = [(a, b, name) for a, b, name in copies if a < stop and b > start]
+                gap["copies"] = {
+                    name: round(sum(min(b, stop) - max(a, start) for a, b, n in during if n == name) / 1e3, 3)
+                    for name in sorted({n for _, _, n in during})
+                }  # ms of each kind of copy inside the gap
+            self.result = {"steps": self.count, "kinds": kernel_kinds(kernels, copies), "gaps": gaps}
 
 
 @contextlib.contextmanager
@@ -354,6 +367,10 @@ class _Remember(L.Callback):
             "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
             "recovered_batches": engine.recovery.recovered,
             "frozen_bytes": sum(g.data.nbytes for g in engine.store.groups if g.kind == "frozen"),
+            "handoff_s": engine.stats.handoff,  # the host's turn + the first slot's cast wait and upload
+            "host_turn_s": statistics.median(engine.stats._turns) if engine.stats._turns else None,
+            "first_upload_s": statistics.median(engine.stats._first_uploads) if engine.stats._first_uploads else None,
+            "host_gap": engine.stats.host_gap,
         }
 
 
@@ -370,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gpu-gib", type=float, default=0.0)
     parser.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
-    parser.add_argument("--profile", action="store_true", help="one more step under the profiler: kernel kinds")
+    parser.add_argument("--profile", action="store_true", help="more steps under the profiler: kernel kinds, gaps")
+    parser.add_argument("--profile-steps", type=int, default=1, help="steps under the profiler (2: the gap between)")
     parser.add_argument("--config-timeout", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
