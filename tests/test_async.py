@@ -600,3 +600,48 @@ def test_the_optimizer_thread_measures_each_steps_gradient_norm_before_clipping(
         engine.close()
     assert [step for step, _ in got] == [0, 1, 2, 3]
     assert [norm for _, norm in got] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_the_loss_reaches_the_host_before_the_fused_stages_backward():
+    """One worker, everything fused: ``train_batch`` returns once the loss is computed, while the fused
+    stage's backward still runs, so the host's turn and the next batch's dispatch (its first upload)
+    overlap that backward instead of following it."""
+    gate, finished = threading.Event(), threading.Event()
+
+    class Hold(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            assert gate.wait(5), "the backward was held until train_batch returned, and it never did"
+            finished.set()
+            return grad
+
+    class Held(nn.Module):
+        def forward(self, x):
+            return Hold.apply(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), Held(), nn.Linear(16, 3))
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", 0)], plan="|3", microbatches_per_round=1,
+                            asynchronous=True)  # fmt: skip
+    data = batches(3)
+    try:
+        gate.set()
+        for [(x, y)] in data[:2]:
+            engine.train_batch(x, y, F.mse_loss)
+        engine.flush()  # their backward passes are done
+        gate.clear()
+        finished.clear()
+        [(x, y)] = data[2]
+        loss = engine.train_batch(x, y, F.mse_loss)
+        assert not finished.is_set() and torch.isfinite(loss)
+        gate.set()
+        engine.flush()
+        assert finished.is_set()
+    finally:
+        gate.set()
+        engine.close()

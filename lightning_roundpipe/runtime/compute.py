@@ -97,16 +97,17 @@ class StageCompute:
             if stage.start > 0:
                 flight.put(("grad", stage.start, m), None)
             return
-        weighted: Tensor | None = None
 
         def roots(output: Any) -> tuple[list[Tensor], list[Tensor] | None]:
-            nonlocal weighted
             loss = self._loss(flight, output, target[0])
             weighted = loss.detach().float() * flight.weights[m]
+            # Down before the backward: asynchronously the host's turn, and with it the next batch's
+            # dispatch and first upload, overlap this backward instead of following it (one worker, all
+            # fused: the next batch's first weights otherwise came up while the device idled).
+            flight.set_loss(m, dev.download(weighted, dev.record(dev.compute)))
             return [loss * (flight.weights[m] * flight.grad_scale)], None
 
         done, leaves = self._differentiate(stage, action, flight, x, (x_ready, target[1]), roots)
-        flight.set_loss(m, dev.download(weighted, done))
         self._input_grads(stage, flight, m, leaves, done)
         self._finish((action.round, action.slot), done)
 

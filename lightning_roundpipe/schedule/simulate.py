@@ -128,18 +128,25 @@ def roundpipe(
     ``handoff``: seconds from the last loss of one iteration to the earliest start of the next
     iteration's first slot. The next batch exists only once the host has every loss of this one (the
     training loop's turn), and its first slot's weights are uploaded only then: nothing can prefetch
-    them earlier. Slots after the fused one hide this; a plan that ends with its fused stage (one
-    worker, everything fused) shows all of it.
+    them earlier. Asynchronously a fused slot's loss goes to the host before its backward (its forward
+    share is the layers' forward times), so that backward hides part of it; slots after the fused one
+    hide the rest. Synchronously the whole handoff follows the batch.
     """
     stages = plan.stages()
     fused = [s for s, stage in enumerate(stages) if stage.kind is StageKind.FUSED]
     times = stage_times(costs, plan) if slot_times is None else list(slot_times)
+    # asynchronously a fused slot's loss is on the host once its forward ran, that much before the slot
+    # ends; synchronously the next batch waits for this one to settle anyway
+    backward_share = {
+        s: max(0.0, times[s] - sum(costs.forward[stages[s].start : stages[s].stop])) if asynchronous else 0.0
+        for s in fused
+    }
     mb_per_round = microbatches // rounds
     tasks: list[Task] = []
     order: list[list[int]] = [[] for _ in range(workers)]
     first = 0
     barrier: list[int] = []
-    losses: list[int] = []
+    losses: list[tuple[int, float]] = []  # (task, how long before its end the loss is on the host)
     schedules: dict[int, Schedule] = {}  # one per first worker: iterations repeat them
     for it in range(iterations):
         if first not in schedules:
@@ -159,8 +166,8 @@ def roundpipe(
                 tasks[i].deps.append(index[(slot - 1, m)])
         if it > 0 and handoff > 0:
             for m in range(microbatches):
-                tasks[index[(0, m)]].after += [(i, handoff) for i in losses]
-        losses = [index[(s, m)] for s in fused for m in range(microbatches)]
+                tasks[index[(0, m)]].after += [(i, handoff - early) for i, early in losses]
+        losses = [(index[(s, m)], backward_share[s]) for s in fused for m in range(microbatches)]
         barrier = [index[(len(stages) - 1, m)] for m in range(microbatches)]
     return run(tasks, order, iterations)
 
