@@ -94,15 +94,20 @@ def kernel_kinds(kernels: list[tuple[float, float, str]], copies: list[tuple[flo
     overlapping), the copies' seconds, the idle between kernels and the window's span: where a stage's
     time goes."""
     out: dict[str, float] = {"copies": sum(b - a for a, b, _ in copies) / 1e6}
+    by_name: dict[str, dict[str, float]] = {}
     events = kernels + copies
     for a, b, name in kernels:
         lower = name.lower()
         kind = next((k for k, keys in KINDS if any(key in lower for key in keys)), "other")
         out[kind] = out.get(kind, 0.0) + (b - a) / 1e6
+        names = by_name.setdefault(kind, {})
+        names[name[:100]] = names.get(name[:100], 0.0) + (b - a) / 1e6
     gaps = kernel_gaps(kernels)
     idle = sum(v["seconds"] for v in gaps.get("by_length", {}).values())
     span = (max(b for _, b, _ in events) - min(a for a, _, _ in events)) / 1e6 if events else 0.0
-    return {"seconds_by_kind": out, "idle_between_kernels_s": idle, "span_s": span}
+    top = {k: dict(sorted(v.items(), key=lambda kv: -kv[1])[:4]) for k, v in by_name.items()}
+    # which kernels a kind's seconds are (the attention backend that ran, say)
+    return {"seconds_by_kind": out, "idle_between_kernels_s": idle, "span_s": span, "top_kernels": top}
 
 
 def device_events(prof: Any) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
