@@ -46,8 +46,13 @@ def build_engine(
     estimate = estimate_host_memory(
         params, compute_dtype, asynchronous, state_bytes, double_buffer=options.double_buffer
     )
-    if options.host_memory_check:
-        check_host_memory(estimate)  # refuse now, with the numbers, rather than be killed halfway
+    if options.host_memory_check:  # refuse now, with the numbers, rather than be killed halfway
+        leaner = {}
+        if asynchronous:  # no separate compute copy where no cast is needed (bf16-true, 32-true)
+            synchronous = estimate_host_memory(params, compute_dtype, False, state_bytes)
+            if synchronous.new < estimate.new:
+                leaner["RoundPipeStrategy(async_optimizer=False)"] = synchronous
+        check_host_memory(estimate, leaner=leaner)
     workers = worker_devices(devices)
     return PipelineEngine(
         layers,

@@ -121,16 +121,26 @@ def estimate_host_memory(
     return HostMemoryEstimate(trainable, frozen, masters, grads, compute, states, activation_bytes)
 
 
-def check_host_memory(estimate: HostMemoryEstimate, margin: float = 0.95) -> None:
-    """Refuse, with the estimate and the shortfall, a run whose new host allocations would not fit."""
+def check_host_memory(
+    estimate: HostMemoryEstimate, margin: float = 0.95, leaner: dict[str, HostMemoryEstimate] | None = None
+) -> None:
+    """Refuse, with the estimate and the shortfall, a run whose new host allocations would not fit;
+    ``leaner``: settings (as the user would write them) and their estimates, named when they would fit."""
     available = available_host_memory()
     if estimate.new <= margin * available:
         return
+    fits = [
+        f" {setting} would add {other.new / GiB:.2f} GiB, which fits."
+        for setting, other in (leaner or {}).items()
+        if other.new <= margin * available
+    ]
     raise MemoryError(
         "roundpipe would need more host memory than is available: it adds"
         f" {estimate.new / GiB:.2f} GiB to the {estimate.resident / GiB:.2f} GiB the model holds, and"
         f" {available / GiB:.2f} GiB are available (short by {(estimate.new - margin * available) / GiB:.2f} GiB"
         f" with a {100 * (1 - margin):.0f}% margin).\n{estimate.table()}\n"
-        "Free host memory, train fewer parameters (LoRA), compute in bf16 (precision='bf16-mixed'), use an"
+        + "".join(fits)
+        + " Free host memory, train fewer parameters (LoRA), keep bf16 weights, gradients and optimizer states"
+        " (precision='bf16-true': about 8 bytes per parameter with AdamW and async_optimizer=False), use an"
         " optimizer with smaller states, or a machine with more memory."
     )

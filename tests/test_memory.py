@@ -114,3 +114,24 @@ def test_available_memory_follows_a_cgroup_limit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Big())
     assert host_memory_limit(str(tmp_path / "v1"), str(tmp_path / "cgroup-v1")) == 3 << 30  # the job's cap
+
+
+def test_the_refusal_names_the_synchronous_optimizer_when_that_would_fit(monkeypatch):
+    """In fp32 (as in bf16-true) the asynchronous optimizer's compute copy is the only one: when the run
+    fits without it, the message says so, with the number; when nothing fits, it names nothing."""
+    import lightning_roundpipe.memory as memory
+    from lightning_roundpipe.build import build_engine
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    asynchronous = estimate_host_memory(model, None, True, 8)
+    synchronous = estimate_host_memory(model, None, False, 8)
+    assert asynchronous.new - synchronous.new == 4 * sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(memory, "available_host_memory", lambda: int((synchronous.new + 64) / 0.95))
+    layers, devices = list(model.children()), [torch.device("cpu")]
+    with pytest.raises(MemoryError, match=r"async_optimizer=False\) would add 0\.00 GiB, which fits"):
+        build_engine(layers, devices, RoundPipeOptions(), None, asynchronous=True, training=True)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: 1000)
+    with pytest.raises(MemoryError) as refused:
+        build_engine(layers, devices, RoundPipeOptions(), None, asynchronous=True, training=True)
+    assert "which fits" not in str(refused.value) and "bf16-true" in str(refused.value)
