@@ -130,17 +130,18 @@ def check_host_memory(
     if estimate.new <= margin * available:
         return
     fits = [
-        f" {setting} would add {other.new / GiB:.2f} GiB, which fits."
+        f"{setting} would add {other.new / GiB:.2f} GiB, which fits."
         for setting, other in (leaner or {}).items()
         if other.new <= margin * available
     ]
+    advice = (
+        "Free host memory, train fewer parameters (LoRA), keep bf16 weights, gradients and optimizer states"
+        " (precision='bf16-true': about 8 bytes per parameter with AdamW and async_optimizer=False), use an"
+        " optimizer with smaller states, or a machine with more memory."
+    )
     raise MemoryError(
         "roundpipe would need more host memory than is available: it adds"
         f" {estimate.new / GiB:.2f} GiB to the {estimate.resident / GiB:.2f} GiB the model holds, and"
         f" {available / GiB:.2f} GiB are available (short by {(estimate.new - margin * available) / GiB:.2f} GiB"
-        f" with a {100 * (1 - margin):.0f}% margin).\n{estimate.table()}\n"
-        + "".join(fits)
-        + " Free host memory, train fewer parameters (LoRA), keep bf16 weights, gradients and optimizer states"
-        " (precision='bf16-true': about 8 bytes per parameter with AdamW and async_optimizer=False), use an"
-        " optimizer with smaller states, or a machine with more memory."
+        f" with a {100 * (1 - margin):.0f}% margin).\n{estimate.table()}\n" + " ".join([*fits, advice])
     )
