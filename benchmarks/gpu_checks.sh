@@ -16,6 +16,7 @@
 #        throughput-tail (issue 3: 3 and 2 fused blocks with the step's tail summed on the device)
 #        lightning-user lightning-user-24gib lightning-user-long (issue 23: what a newcomer's Trainer code gets)
 #        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels kernel-experiments (issue 24: SDPA backends, LM-head losses, both under Trainer)
+#        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -90,6 +91,12 @@ for step in "${steps[@]}"; do
       # chunks, measured here on 2026-12-02 as newcomer-flce2048 at 1.037x, is the default since)
       run kernel-experiments 230 python benchmarks/lightning_user.py --configs newcomer,newcomer-cudnn \
         --config-timeout 105 --out "$OUT/kernel-experiments.json" ;;
+    handoff)  # issue 24: the loss down before the fused backward (1a40362): the step boundary's idle, full card
+      # (predicted about 50k tokens/s against 46.6-47.1k) and the 24 GiB card (35,488 before); about 200 s
+      run handoff 120 python benchmarks/lightning_user.py --configs newcomer --profile --profile-steps 2 \
+        --config-timeout 110 --out "$OUT/handoff.json"
+      run handoff-24gib 110 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer \
+        --config-timeout 100 --out "$OUT/handoff-24gib.json" ;;
     lightning-user-long)  # batch size 1 at 131,072 tokens on the 24 GiB card, split and tiled layers, no other argument
       run lightning-user-long 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-split-tiled \
         --seqs 1 --seq-len 131072 --warmup 3 --steps 2 --config-timeout 280 --out "$OUT/lightning-user-long.json" ;;
