@@ -22,7 +22,7 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # a caller's (carried wheels installed with --target) kept
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 run() {  # run NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
