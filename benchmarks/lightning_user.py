@@ -265,6 +265,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
         "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
         "gpu_torch_peak_gib": max_memory_allocated(0) / GiB if cuda else None,
+        "gpu_allocator": allocator_stats() if cuda else None,
         "gpu_gib_cap": args.gpu_gib or None,
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
@@ -278,6 +279,19 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     engine_state = getattr(trainer.strategy, "_last_engine", None)
     result.update(engine_state or {})
     return result
+
+
+def allocator_stats() -> dict[str, float]:
+    """What the caching allocator went through: near a cap, a request it cannot serve from its cache makes
+    it free cached blocks and retry (a device-wide sync each time)."""
+    stats = torch.cuda.memory_stats(0)
+    return {
+        "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / GiB,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "device_allocs": stats.get("num_device_alloc", 0),
+        "device_frees": stats.get("num_device_free", 0),
+        "ooms": stats.get("num_ooms", 0),
+    }
 
 
 class Anatomy(L.Callback):
