@@ -17,6 +17,7 @@
 #        lightning-user lightning-user-24gib lightning-user-long (issue 23: what a newcomer's Trainer code gets)
 #        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels kernel-experiments (issue 24: SDPA backends, LM-head losses, both under Trainer)
 #        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
+#        kernels-off-4b-8b (issue 24: the 4B and 8B at 24 GiB without the kernels, one call)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -98,6 +99,12 @@ for step in "${steps[@]}"; do
       # 24 GiB: the simulator predicted 1.41 s per step for its plan, 1.85 were measured: where does it go
       run handoff-24gib 130 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --profile \
         --profile-steps 2 --config-timeout 120 --out "$OUT/handoff-24gib.json" ;;
+    kernels-off-4b-8b)  # issue 24's "before" rows at 24 GiB: the 4B and the 8B (bf16-true) without the kernels
+      # (with them: 15,373 and 9,358 tokens/s); the 4B's measuring batches took 9.7 s each, about 420 s in all
+      run kernels-off-4b 250 python benchmarks/lightning_user.py --model qwen3-4b --gpu-gib 24 \
+        --configs newcomer-nokernels --warmup 4 --config-timeout 240 --out "$OUT/kernels-off-4b.json"
+      run kernels-off-8b 200 python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true \
+        --gpu-gib 24 --configs newcomer-nokernels --config-timeout 190 --out "$OUT/kernels-off-8b.json" ;;
     lightning-user-long)  # batch size 1 at 131,072 tokens on the 24 GiB card, split and tiled layers, no other argument
       run lightning-user-long 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-split-tiled \
         --seqs 1 --seq-len 131072 --warmup 3 --steps 2 --config-timeout 280 --out "$OUT/lightning-user-long.json" ;;
