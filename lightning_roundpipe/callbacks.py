@@ -38,6 +38,10 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
       the devices wait for the host
     - ``roundpipe/handoff_s``: what the prediction charges between two batches (the host's turn, the
       first slot's wait for its casts and its upload; see ``StepStats.handoff``)
+    - ``roundpipe/wait_{reason}_s``: seconds per batch the workers' threads were blocked, summed over
+      workers, by reason (``casts``: an update's cast into the weights a slot uploads; ``update_reads``:
+      an update reading the gradients a slot overwrites; ``inputs``, ``inflight``, ``launch``, ...; see
+      ``Flight.waited``): what held the devices back when ``host_gap`` or the bubble is large
     - ``roundpipe/host_step_s``: seconds of the last host optimizer step (its math; asynchronously, the
       update of the step before); longer than the devices' step means the GPUs wait for the host
     - ``roundpipe/stages``: slots per round in the current plan
@@ -160,6 +164,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/host_gap"] = engine.stats.host_gap
         if engine.stats.handoff is not None:
             metrics["roundpipe/handoff_s"] = engine.stats.handoff
+        for reason, seconds in engine.worker_waits.items():
+            metrics[f"roundpipe/wait_{reason.replace(' ', '_')}_s"] = seconds
         host_step = getattr(trainer.strategy, "host_step_s", None)
         if host_step is not None:
             metrics["roundpipe/host_step_s"] = host_step

@@ -37,6 +37,8 @@ def test_monitor_logs_and_writes_files(tmp_path):
         "roundpipe/host_rss_gib",
         "roundpipe/drift",
         "roundpipe/host_step_s",
+        "roundpipe/wait_inputs_s",  # the workers' blocked seconds per batch, by reason
+        "roundpipe/wait_launch_s",
     ):
         assert key in keys, key  # fmt: skip
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]

@@ -10,6 +10,7 @@ thread then re-raises the kept error with its original traceback.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NoReturn
@@ -55,6 +56,9 @@ class Crew:
         self.closed = False
         self._lock = threading.Lock()
         self._live: list[tuple[Flight, list[Task]]] = []
+        self.recent: deque[Flight] = deque(maxlen=5)
+        """The last flights whose workers finished (what :func:`~lightning_roundpipe.engine.stats.worker_waits`
+        reads)."""
         self._on_abort: list[Callable[[], None]] = []
         self.collectors: list[GradCollector] = []
         self.executors: list[StageExecutor] = []
@@ -98,7 +102,9 @@ class Crew:
         return bool(self._live)
 
     def prune(self) -> None:
+        """Forget the flights whose workers are done (the last few stay in :attr:`recent`)."""
         with self._lock:
+            self.recent.extend(f for f, tasks in self._live if all(t.done.is_set() for t in tasks))
             self._live = [(f, tasks) for f, tasks in self._live if not all(t.done.is_set() for t in tasks)]
 
     def wait_live(self, timeout: float | None = None) -> None:

@@ -30,7 +30,7 @@ from lightning_roundpipe.engine.launch import Attempt, Batch, Launcher
 from lightning_roundpipe.engine.planner import AutoPlanner
 from lightning_roundpipe.engine.recovery import Recovery
 from lightning_roundpipe.engine.state import engine_state, load_engine_state
-from lightning_roundpipe.engine.stats import StepStats
+from lightning_roundpipe.engine.stats import StepStats, worker_waits
 from lightning_roundpipe.engine.steps import StepChain, double_buffering
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.exchange import NodeExchange
@@ -135,6 +135,11 @@ class PipelineEngine:
     @property
     def num_microbatches(self) -> int:
         return self.planner.num_microbatches  # of a batch large enough; the planner may choose it
+
+    @property
+    def worker_waits(self) -> dict[str, float]:
+        """Seconds per batch the workers waited, by reason, over the last finished batches."""
+        return worker_waits(self.crew.recent)
 
     def use_exchange(self, exchange: NodeExchange) -> None:
         """Several nodes, asynchronous mode: the optimizer thread exchanges gradients and weights (nodes.py)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from statistics import median
 
 from lightning_roundpipe.runtime.device import WorkerDevice
@@ -105,3 +106,12 @@ class StepStats:
         if last <= first:
             return None
         return (times[last] - times[first]) / (last - first)
+
+
+def worker_waits(flights: Iterable[Flight]) -> dict[str, float]:
+    """Per reason (:meth:`Flight.waited`), the median over these training batches of the seconds the
+    workers' threads were blocked in one batch (summed over workers): which dependency holds the
+    devices back when a step has idle time that its kernels do not explain."""
+    batches = [f.worker_waits for f in flights if not f.evaluating]
+    reasons = sorted({r for waits in batches for r in waits})
+    return {r: median(waits.get(r, 0.0) for waits in batches) for r in reasons}

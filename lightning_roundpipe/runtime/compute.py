@@ -8,6 +8,7 @@ thread stays at most ``max_inflight`` micro-batches ahead of its device, which b
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +60,7 @@ class StageCompute:
             if flight.record:
                 flight.records.setdefault(dev.index, []).append((action, start, None, dev.timer(dev.compute), 0))
         flight.put(("act", stage.stop, m), dev.download(x, done))
-        self._finish((action.round, action.slot), done)
+        self._finish(flight, (action.round, action.slot), done)
 
     def evaluate(self, stage: Stage, action: Action, flight: Flight) -> None:
         """The fused stage of a forward-only pass: the last layers, then the loss (or the output itself)."""
@@ -83,7 +84,7 @@ class StageCompute:
                 x = self._loss(flight, x, target[0]).detach().float() * flight.weights[m]
             done = dev.record(dev.compute)
         flight.set_loss(m, dev.download(x, done))
-        self._finish((action.round, action.slot), done)
+        self._finish(flight, (action.round, action.slot), done)
 
     def fused(self, stage: Stage, action: Action, flight: Flight) -> None:
         """Fused stage: forward through the last layers, the loss, backward; the loss and input gradients down."""
@@ -109,7 +110,7 @@ class StageCompute:
 
         done, leaves = self._differentiate(stage, action, flight, x, (x_ready, target[1]), roots)
         self._input_grads(stage, flight, m, leaves, done)
-        self._finish((action.round, action.slot), done)
+        self._finish(flight, (action.round, action.slot), done)
 
     def backward(self, stage: Stage, action: Action, flight: Flight) -> None:
         """Backward stage: recompute from the saved input, backward from the output gradients; input gradients down."""
@@ -134,7 +135,7 @@ class StageCompute:
 
         done, leaves = self._differentiate(stage, action, flight, x, (x_ready, grads_in[1]), roots)
         self._input_grads(stage, flight, m, leaves, done)
-        self._finish((action.round, action.slot), done)
+        self._finish(flight, (action.round, action.slot), done)
 
     def _differentiate(
         self, stage: Stage, action: Action, flight: Flight, x: Any, events: tuple[Any, ...], roots_of: Roots
@@ -207,7 +208,9 @@ class StageCompute:
 
     def _take(self, flight: Flight, key: tuple[str, int, int]) -> tuple[Any, Any] | None:
         """Upload a mailbox's value to this device; ``None`` if it holds no value (a zero gradient)."""
+        waiting = time.perf_counter()
         parcel = flight.take(key)
+        flight.waited("inputs", waiting)
         if parcel is None:
             flight.release(key)
             return None
@@ -215,11 +218,13 @@ class StageCompute:
         flight.release(key, ready)
         return value, ready
 
-    def _finish(self, loaded_key: tuple[int, int], done: Any) -> None:
+    def _finish(self, flight: Flight, loaded_key: tuple[int, int], done: Any) -> None:
         self.slots.loaded[loaded_key].last_compute = done
         self.inflight.append(done)
+        waiting = time.perf_counter()
         while len(self.inflight) > self.max_inflight:
             self.device.host_wait(self.inflight.popleft())
+        flight.waited("inflight", waiting)
 
 
 def weights_flats(loaded: dict[tuple[int, int], LoadedSlot], action: Action) -> list[Tensor]:

@@ -66,6 +66,7 @@ class StageExecutor:
         self._uploads = WeightUploads(self._slots, overlap)
         self._compute = StageCompute(self._slots, self._replicas, max_inflight)
         self._unloads = GradientUnloads(self._slots, collector, overlap)
+        self._idle_since: float | None = None  # when this worker finished its last batch's actions
         self.trace: list[tuple[Any, ...]] | None = None
         """When a list: (\"action\", worker, batch, action, start time) is appended for every action."""
 
@@ -109,6 +110,8 @@ class StageExecutor:
             self._unloads.tail = tail_slot(actions, self._slots.downloads_gradients)
         if flight.record:
             flight.references[self.device.index] = (self.device.timer(self.device.compute), time.perf_counter())
+        if self._idle_since is not None:
+            flight.waited("launch", self._idle_since)
         try:
             for action in actions:
                 if flight.abort.is_set():
@@ -148,6 +151,7 @@ class StageExecutor:
                         self.device.pool.give(buffer)
             self._slots.loaded.clear()
             self._unloads.collecting.clear()
+            self._idle_since = time.perf_counter()
 
     def _run(self, action: Action, flight: Flight) -> None:
         """One action, by its kind (tests patch this to delay or fail single actions)."""

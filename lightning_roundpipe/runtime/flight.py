@@ -16,6 +16,7 @@ writes landed on the host, so a second attempt neither adds a group twice nor le
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,9 @@ class Flight:
         """Recorded batches: timer points before and after the upload of the first slot's weights, on
         the stream that copies them (what the next batch cannot prefetch: see ``handoff`` in
         :func:`~lightning_roundpipe.schedule.simulate.roundpipe`)."""
+        self.worker_waits: dict[str, float] = {}
+        """Host seconds the workers' threads spent blocked on this batch, by what they waited for
+        (:meth:`waited`): while a thread waits it issues nothing, and a device with nothing queued idles."""
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
@@ -161,6 +165,16 @@ class Flight:
                 fresh_grads.difference_update(groups)
                 for g in groups:
                     grad_chain[g] = done
+
+    def waited(self, reason: str, since: float) -> None:
+        """A worker thread was blocked from ``since`` (``time.perf_counter``) until now, waiting for
+        ``reason``: "casts" (an update's cast into the weights it uploads, edge 2), "update reads" (an
+        update reading the gradients it overwrites, edge 4), "earlier writes" (the host sums a tail slot
+        adds to), "inputs" (a boundary from another stage), "inflight" (its own queued kernels), "launch"
+        (the main thread's next batch)."""
+        seconds = time.perf_counter() - since
+        with self._lock:
+            self.worker_waits[reason] = self.worker_waits.get(reason, 0.0) + seconds
 
     def gate(self) -> Gate:
         """A gate that an abort of this flight opens."""

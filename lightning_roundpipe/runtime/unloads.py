@@ -8,6 +8,7 @@ settling batch, which sums them on the device (:func:`tail_slot`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -53,14 +54,18 @@ class GradientUnloads:
             dev.wait(dev.grad_down, loaded.last_compute)
             grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
             if any(g in overwrite for g in grads):
+                waiting = time.perf_counter()
                 for gate in waits:  # edge 4: the previous step's update has read the gradients
                     gate.wait()
+                flight.waited("update reads", waiting)
             # The tail slot sums its later writes on the device once the host sums are complete. No
             # compute is left for this worker to issue in this batch, so the wait delays no kernel.
             summed_here = key == self.tail
             if summed_here and any(g not in overwrite for g in grads):
+                waiting = time.perf_counter()
                 for gate in waits:  # the previous writers (edge 4 too, where it is one of them)
                     gate.wait()
+                flight.waited("earlier writes", waiting)
                 flight.host_writes.summing[key] = tuple(g for g in grads if g not in overwrite)
             for g, grad in grads.items():
                 host = self.store.groups[g].grad

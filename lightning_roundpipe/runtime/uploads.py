@@ -33,11 +33,12 @@ class WeightUploads:
         key = (action.round, action.slot)
         handoff = flight.record and key == (0, 0)  # measured for the simulator's handoff between batches
         if action.is_first_part:
-            waiting = time.perf_counter() if handoff else 0.0
+            waiting = time.perf_counter()
             for g in self.slots.trainable[stage.slot]:  # edge 2: the copy this step must read is in place
                 gate = flight.upload_waits.get(g)
                 if gate is not None:
                     gate.wait()
+            flight.waited("casts", waiting)
             if self.overlap == "none":  # no prefetch: upload only once the device finished computing
                 dev.wait(dev.param_up, dev.record(dev.compute))
             if handoff:
