@@ -16,6 +16,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
+- ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
+  cast as soon as its math is done, not after the step's last read of the copy);
+- ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
 - ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
   copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
@@ -150,6 +153,8 @@ class Clock(L.Callback):
         self.losses: list[float] = []
         self.resident = resident
         self.host_gib: list[dict[str, Any]] = []
+        self.allocator_calls: list[tuple[int, int]] = []
+        """(cudaMalloc calls, cudaFree calls) so far, at the first and the last timed step."""
         self._handle: Any = None
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -186,6 +191,9 @@ class Clock(L.Callback):
             if engine is None and torch.cuda.is_available():
                 torch.cuda.synchronize()  # plain: the step's queued GPU work belongs to it
             self.stamps.append(time.perf_counter())
+            if torch.cuda.is_available() and trainer.global_step in (self.warmup, self.last):
+                stats = torch.cuda.memory_stats(0)  # cudaMalloc/cudaFree calls: each free syncs the device
+                self.allocator_calls.append((stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)))
 
 
 def strategy_for(config: str) -> tuple[Any, bool]:
@@ -196,6 +204,10 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
+    if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
+        return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
+    if config == "newcomer-db":
+        return RoundPipeStrategy(double_buffer="all"), False
     if config == "newcomer-sync":
         return RoundPipeStrategy(async_optimizer=False), False
     if config == "newcomer-split":
@@ -206,7 +218,7 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
-        " newcomer-cudnn, newcomer-split, newcomer-sync,"
+        " newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
         " newcomer-split-tiled or tuned-N"
     )
 
@@ -266,6 +278,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
         "gpu_torch_peak_gib": max_memory_allocated(0) / GiB if cuda else None,
         "gpu_allocator": allocator_stats() if cuda else None,
+        "timed_device_allocs_frees": (  # in the timed steps: a cache that holds the step's memory makes none
+            [b - a for a, b in zip(*clock.allocator_calls)] if len(clock.allocator_calls) == 2 else None
+        ),
         "gpu_gib_cap": args.gpu_gib or None,
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
@@ -385,6 +400,7 @@ class _Remember(L.Callback):
             "host_turn_s": statistics.median(engine.stats._turns) if engine.stats._turns else None,
             "first_upload_s": statistics.median(engine.stats._first_uploads) if engine.stats._first_uploads else None,
             "host_gap": engine.stats.host_gap,
+            "worker_waits_s": engine.worker_waits,  # per batch, by what the workers' threads waited for
         }
 
 
@@ -428,8 +444,11 @@ def main(argv: list[str] | None = None) -> None:
             parts = ", ".join(
                 f"{k} {v:.3f}" for k, v in sorted(kinds["seconds_by_kind"].items(), key=lambda kv: -kv[1])
             )
-            print(f"{r['config']}: one step's device seconds: {parts}; idle {kinds['idle_between_kernels_s']:.3f}"
-                  f" of {kinds['span_s']:.3f}")  # fmt: skip
+            print(f"{r['config']}: device seconds over {r['anatomy']['steps']} steps: {parts};"
+                  f" idle {kinds['idle_between_kernels_s']:.3f} of {kinds['span_s']:.3f}")  # fmt: skip
+        if r.get("worker_waits_s"):
+            waits = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["worker_waits_s"].items(), key=lambda kv: -kv[1]))
+            print(f"{r['config']}: seconds per batch the workers waited: {waits}")
     write(args.out, sys.argv[1:] if argv is None else argv, __file__, results)
 
 
