@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.engine.crew import Crew
 from lightning_roundpipe.engine.evaluation import Evaluator
 from lightning_roundpipe.engine.launch import Attempt, Batch, Launcher
@@ -122,6 +123,7 @@ class PipelineEngine:
         )
         self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, self.planner, overlap)
         self.stats = StepStats(self.num_workers)
+        self.caches = CacheWatch(self.devices, self.planner, self.store)
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
         self.calls = 0
@@ -178,6 +180,8 @@ class PipelineEngine:
         self.steps.check_open()
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
+        if (smaller := self.caches.smaller_plan(self.calls)) is not None and smaller != self.plan:
+            self.set_plan(smaller)  # the devices' allocators kept giving memory back: less memory per stage
         batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"))
         start = self.dispatch_position
         attempt = self._launch(batch, self.calls, start)
@@ -277,6 +281,7 @@ class PipelineEngine:
     def end_evaluation(self) -> None:
         """Put back the compute copies :meth:`begin_evaluation` set aside."""
         self.evaluator.end()
+        self.caches.forget()  # what the pass allocated and freed says nothing about the training plan
 
     def evaluate(
         self,

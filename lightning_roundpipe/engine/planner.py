@@ -97,12 +97,10 @@ class AutoPlanner:
         self.predicted_bubble: float | None = None
         """The simulator's bubble ratio for the current plan and measured costs."""
         self.drift: float | None = None
-        """At the last check, how far stage times moved from those first measured on the plan
-        (relative to the slowest stage); ``replan_margin`` twice in a row measures the layers again."""
+        """At the last check, how far stage times moved from the plan's first (of its slowest stage)."""
         self.reference: list[float] | None = None
         """The plan's stage times at its first check (what later checks compare with)."""
-        self.drifted = 0
-        """Checks in a row past the margin."""
+        self.drifted = 0  # checks in a row past the margin (two measure the layers again)
         self.offset_checked = False
         """The costs were measured again for this plan's first-timing offset (it gets no further look)."""
         self.plan_since = 0
@@ -128,12 +126,10 @@ class AutoPlanner:
         return self.auto and not self.explicit_microbatches and self.num_rounds == 1
 
     def counts(self, samples: int) -> tuple[int, int]:
-        """Micro-batches per round and rounds for a batch of ``samples``. A batch smaller than the count
-        runs as fewer micro-batches (the loss and gradients are the same: each micro-batch weighs its share
-        of the batch); a count the user gave is lowered so, with one warning. The odd batches measuring the
-        layers, when the count is chosen, run twice the count (half the micro-batch size), one micro-batch
-        per round: their every layer's input waits on the host for backward, two micro-batches' worth at a
-        time, not the whole batch's (Qwen3-8B shape, 32 x 2048 tokens: 37 boundaries of 0.5 GiB)."""
+        """Micro-batches per round and rounds for a batch of ``samples``. A smaller batch runs as fewer
+        micro-batches (same loss and gradients); a count the user gave is lowered so, with one warning.
+        The odd measuring batches, when the count is chosen, run twice the count, one micro-batch per
+        round: every layer's input waits on the host for backward, two micro-batches' worth at a time."""
         if samples < 1:
             raise ValueError("a batch of 0 samples has nothing to train on; skip it before the model call")
         per_round, rounds = self.microbatches_per_round, self.num_rounds
@@ -234,17 +230,26 @@ class AutoPlanner:
             size = flight.samples / len(flight.targets) * scale
             stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]
             need = stage_memory(self.fitted.costs(store, size, scale == 1), stage)
-            if need > 0:
-                limit = 0.8 * min(need, self.memory_limit or need)
-                with contextlib.suppress(Infeasible):
-                    plan = self._choose(self.fitted, store, samples, limit, scale)
-                    self.memory_limit = limit
-                    return plan
+            limit = 0.8 * min(need, self.memory_limit or need)
+            if need > 0 and (plan := self.plan_for_memory(store, limit, samples, scale)) is not None:
+                return plan
         if (total := flight.schedule.microbatches_per_round * flight.schedule.num_rounds) < flight.samples:
             self.microbatches_per_round = max(self.microbatches_per_round, 2 * total // self.num_rounds)
             return self.plan
         stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]  # one sample per micro-batch already:
         return flight.schedule.plan.split(stage.slot) if len(stage.layers) > 1 and self.profile is None else None
+
+    def plan_for_memory(self, store: HostStore, limit: float, samples: int = 0, scale: float = 1.0) -> StagePlan | None:
+        """The plan (and count) chosen again from the last measurement under ``limit``, which becomes the
+        memory limit; ``None`` without a measurement, or when no plan fits."""
+        if self.fitted is None or self.profile is not None:
+            return None
+        samples = samples or self._batch_samples or self.num_microbatches
+        with contextlib.suppress(Infeasible):
+            plan = self._choose(self.fitted, store, samples, limit, scale)
+            self.memory_limit = limit
+            return plan
+        return None
 
     def set_plan(self, plan: StagePlan, call: int) -> None:
         """Run ``plan`` from batch ``call`` on; its drift checks start afresh."""
@@ -271,8 +276,7 @@ class AutoPlanner:
 
     # ------------------------------------------------------------------ drift
     def _is_check(self, flight: Flight) -> bool:
-        """A batch recorded for the drift check (every ``check_every``), on the current automatic plan.
-        Batches recorded for a monitor do not count: drift is judged at the engine's own cadence."""
+        """A batch recorded for the drift check (every ``check_every``, not a monitor's), on the plan."""
         return (
             self.layer_costs is not None
             and self.auto
@@ -285,12 +289,9 @@ class AutoPlanner:
         )
 
     def _check_drift(self, times: dict[int, list[float]], call: int) -> None:
-        """Stage times against the plan's own first timing, not against the sums of per-layer costs: a
-        stage of several layers runs at its own pace (launch gaps, waits for chunked uploads), and an
-        offset from the sums that every measurement shows would measure, partition, land on the same
-        plan and measure again forever (seen on 2 H200s). An offset at the plan's first timing gets one
-        more measurement (a slowdown right after profiling, one-offs in the first profile); what
-        remains after it is the plan's pace."""
+        """Stage times against the plan's own first timing, not the sums of per-layer costs (a stage runs
+        at its own pace; an offset every measurement shows would re-measure forever, seen on 2 H200s).
+        An offset at the first timing gets one more measurement; what remains is the plan's pace."""
         if call <= self.plan_since:  # not the plan's first batch (allocations, first casts; or a resume's)
             return
         if self.reference is None:
@@ -318,11 +319,10 @@ class AutoPlanner:
                 self.drifted = 0
 
     def _measuring_fits(self) -> bool:
-        """Whether the host can hold a measuring batch (every layer's input kept for backward, where a plan
-        keeps its backward stages'): a run that fits its plan must not die of a re-measurement hours in;
-        it keeps its plan, and says so once. Boundaries as wide as the last recorded batch's widest, two
-        rounds alive (one micro-batch each when measuring); a guarded measuring batch runs beside at most
-        one of the plan's, where the plan runs two."""
+        """Whether the host can hold a measuring batch (every layer's input kept for backward): a run that
+        fits its plan must not die of a re-measurement hours in; it keeps its plan, and says so once.
+        Boundaries as wide as the last recorded batch's widest, two rounds alive (one micro-batch each
+        when measuring)."""
         measuring = len(LayerProfile.plan(self.num_layers).saved_boundaries()) * min(self.num_microbatches, 2)
         planned = len(self.plan.saved_boundaries()) * min(self.num_microbatches, 2 * self.microbatches_per_round)
         need = max(0, measuring - planned) * self._boundary_bytes

@@ -109,6 +109,14 @@ class WorkerDevice:
         """Bytes allocated at the peak since :meth:`memory_mark` beyond what was allocated then."""
         return 0
 
+    def cache_releases(self) -> int:
+        """How often this device's caching allocator gave memory back to the driver so far (each time a
+        ``cudaFree``, which waits for all the device's queued work). The CPU stand-in has no such cache:
+        :attr:`released` (what tests set)."""
+        return self.released
+
+    released = 0
+
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
         """A 1-D device buffer allocated for use on ``stream``."""
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -268,6 +276,9 @@ class CudaWorkerDevice(WorkerDevice):
     def release_cached(self) -> None:
         with torch.cuda.device(self.device):
             torch.cuda.empty_cache()
+
+    def cache_releases(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_device_free", 0))
 
     def timer(self, stream: Any) -> Any:
         event = torch.cuda.Event(enable_timing=True)
