@@ -401,6 +401,8 @@ class _Remember(L.Callback):
             "first_upload_s": statistics.median(engine.stats._first_uploads) if engine.stats._first_uploads else None,
             "host_gap": engine.stats.host_gap,
             "worker_waits_s": engine.worker_waits,  # per batch, by what the workers' threads waited for
+            "cache_lowered": engine.caches.lowered,  # plans made for less memory after allocator frees
+            "memory_limit_gib": engine.planner.memory_limit / GiB if engine.planner.memory_limit else None,
         }
 
 
