@@ -226,17 +226,22 @@ def traced_steps(engine: PipelineEngine, model: nn.Module, steps: int = 4) -> li
     return trace
 
 
-@pytest.mark.timeout(60)
-def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
+def slow_updates(monkeypatch, seconds: float) -> tuple[PipelineEngine, nn.Module]:
+    """An asynchronous engine on two CPU workers whose optimizer thread sleeps ``seconds`` per group."""
     step = optimizer_module.OptimizerWorker._step_group
     monkeypatch.setattr(
-        optimizer_module.OptimizerWorker, "_step_group", lambda self, *a: (time.sleep(0.03), step(self, *a))[1]
+        optimizer_module.OptimizerWorker, "_step_group", lambda self, *a: (time.sleep(seconds), step(self, *a))[1]
     )
     model = mlp()
     engine = PipelineEngine(
         list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2, asynchronous=True
     )
-    trace = traced_steps(engine, model)
+    return engine, model
+
+
+@pytest.mark.timeout(60)
+def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
+    trace = traced_steps(*slow_updates(monkeypatch, 0.03))
     for t in range(3):
         next_step_starts = min(e[4] for e in trace if e[0] == "action" and e[2] == t + 1 and e[3][2] in "FLB")
         update_ends = [e[4] for e in trace if e[0] == "update" and e[1] == t]
@@ -250,14 +255,7 @@ def test_no_global_barrier_between_an_update_and_the_next_step(monkeypatch):
 def test_a_slow_optimizer_shows_as_the_workers_waiting_for_its_casts(monkeypatch):
     """The next batches upload what the update casts: an optimizer thread slower than the devices' step
     shows up in ``worker_waits`` under "casts", the seconds the workers issued nothing."""
-    step = optimizer_module.OptimizerWorker._step_group
-    monkeypatch.setattr(
-        optimizer_module.OptimizerWorker, "_step_group", lambda self, *a: (time.sleep(0.05), step(self, *a))[1]
-    )
-    model = mlp()
-    engine = PipelineEngine(
-        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2, asynchronous=True
-    )
+    engine, model = slow_updates(monkeypatch, 0.05)
     traced_steps(engine, model, steps=5)
     waits = engine.worker_waits
     assert {"casts", "update reads", "inputs", "inflight", "launch"} <= set(waits)
