@@ -18,7 +18,7 @@
 #        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels kernel-experiments (issue 24: SDPA backends, LM-head losses, both under Trainer)
 #        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
 #        kernels-off-4b-8b (issue 24: the 4B and 8B at 24 GiB without the kernels, one call)
-#        cache-watch plain-liger-profile (issue 24: CacheWatch at 24 GiB; plain with Liger slower than plain)
+#        cache-watch cache-watch-8b plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B; plain with Liger)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -100,11 +100,16 @@ for step in "${steps[@]}"; do
       # 24 GiB: the simulator predicted 1.41 s per step for its plan, 1.85 were measured: where does it go
       run handoff-24gib 130 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --profile \
         --profile-steps 2 --config-timeout 120 --out "$OUT/handoff-24gib.json" ;;
-    cache-watch)  # issue 24, CacheWatch (64e82b9): at 24 GiB the default plan freed cached memory 460 times in six
-      # steps (34,701 tokens/s), gpu_memory=0.6 none (37,505); the watch should take the default there by itself
-      # (its warning in the log) within the 12 warm-up steps. About 200 s
-      run cache-watch 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer,newcomer-gm0.6 \
-        --warmup 12 --config-timeout 140 --out "$OUT/cache-watch.json" ;;
+    cache-watch)  # issue 24, CacheWatch: at 24 GiB the default plan freed cached memory 460 times in six steps
+      # (34,701 tokens/s), gpu_memory=0.6 none (37,505). The watch tries a plan for 0.75x the memory after four
+      # settled freeing intervals, times it, times the first plan again and keeps the smaller one when it was
+      # faster: about step 22, inside the 26 warm-up steps. About 260 s
+      run cache-watch 340 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer,newcomer-gm0.6 \
+        --warmup 26 --config-timeout 170 --out "$OUT/cache-watch.json" ;;
+    cache-watch-8b)  # the 8B shape, bf16-true, 24 GiB: frees on every plan, and smaller ones ran slower (7,614
+      # tokens/s after three lowerings): the trial should leave the first plan (about step 22). About 300 s
+      run cache-watch-8b 380 python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true --gpu-gib 24 \
+        --configs newcomer --warmup 24 --config-timeout 350 --out "$OUT/cache-watch-8b.json" ;;
     plain-liger-profile)  # plain with Liger ran 19,278 against plain's 21,017 (2026-12-02): where its time goes
       run plain-liger-profile 300 python benchmarks/lightning_user.py --configs plain,plain-liger --profile \
         --config-timeout 140 --out "$OUT/plain-liger-profile.json" ;;

@@ -402,6 +402,7 @@ class _Remember(L.Callback):
             "host_gap": engine.stats.host_gap,
             "worker_waits_s": engine.worker_waits,  # per batch, by what the workers' threads waited for
             "cache_lowered": engine.caches.lowered,  # plans made for less memory after allocator frees
+            "cache_reverted": engine.caches.reverted,  # a smaller plan tried, not faster, undone
             "memory_limit_gib": engine.planner.memory_limit / GiB if engine.planner.memory_limit else None,
         }
 

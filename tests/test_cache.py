@@ -1,5 +1,6 @@
 """The caching-allocator watch: a plan whose batches keep making a device free cached memory (a device-wide
-wait each time) is planned again for less memory, and training stays exact through the change."""
+wait each time) is planned again for less memory on trial, kept only when its batches are faster, and
+training stays exact through every change."""
 
 from __future__ import annotations
 
@@ -24,36 +25,119 @@ class Freeing(MeteredDevice):
         return self.released
 
 
+class Clock:
+    """Time that moves by the running plan's seconds per batch at each look (one look per dispatch)."""
+
+    def __init__(self, pace):
+        self.now, self.pace = 0.0, pace
+
+    def __call__(self) -> float:
+        self.now += self.pace()
+        return self.now
+
+
 class Planner:
-    """What the watch reads of the planner: the first call of the current plan, whether it measures."""
+    """What the watch uses of the planner; ``plans`` maps a memory limit to the plan chosen from it on."""
 
-    plan_since = 0
-    measuring = False
+    def __init__(self, plans: dict[float, str], limit: float = 8.0) -> None:
+        self.plans, self.memory_limit = plans, limit
+        self.plan, self.plan_since, self.measuring, self.microbatches_per_round = plans[limit], 0, False, 2
+
+    def plan_for_memory(self, store, limit: float) -> str | None:
+        fits = [k for k in self.plans if k <= limit + 1e-9]
+        if not fits:
+            return None
+        self.memory_limit = limit
+        return self.plans[max(fits)]
 
 
-def looks(watch: CacheWatch, calls: range, plan_since: int = 0, measuring: bool = False) -> list[bool]:
-    return [watch.stalls(call, plan_since, measuring) for call in calls]
+def watch_for(plans: dict[float, str], seconds: dict[str, float]) -> tuple[CacheWatch, Planner, Freeing]:
+    device, planner = Freeing("cpu"), Planner(plans)
+    return CacheWatch([device], planner, None, Clock(lambda: seconds[planner.plan])), planner, device  # type: ignore[arg-type]
 
 
-def test_the_watch_waits_for_the_plan_to_settle_then_for_frees_in_a_row():
-    device = Freeing("cpu")
-    watch = CacheWatch([device], Planner(), None)  # type: ignore[arg-type]
-    # calls 0-1 settle the plan; from call 2 on every interval freed: the second in a row stalls
-    assert looks(watch, range(5)) == [False, False, False, True, False]
-    assert looks(watch, range(5, 7)) == [True, False]
+def drive(watch: CacheWatch, planner: Planner, calls: range) -> list[tuple[int, str]]:
+    """Dispatch ``calls`` as the engine does (a returned plan runs from that call on): the switches."""
+    switched = []
+    for call in calls:
+        if (plan := watch.next_plan(call, 8)) is not None:
+            planner.plan, planner.plan_since = plan, call
+            switched.append((call, plan))
+    return switched
+
+
+def test_a_faster_smaller_plan_is_kept_after_both_are_timed():
+    watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.8})
+    # calls 0-1 settle; 2-6 make the window of four intervals, each freeing: B on trial from call 6
+    assert drive(watch, planner, range(6)) == []
+    assert drive(watch, planner, range(6, 7)) == [(6, "B")]
+    assert drive(watch, planner, range(7, 13)) == [(12, "A")]  # B timed over calls 8-12; A again, timed after
+    with pytest.warns(UserWarning, match="faster per sample: kept") as caught:
+        assert drive(watch, planner, range(13, 19)) == [(18, "B")]  # 20% faster than A over calls 14-18
+    assert "20% faster" in str(caught[0].message)
+    assert (watch.lowered, watch.reverted, planner.memory_limit) == (1, False, 6.0)
     device.freeing = False
-    assert looks(watch, range(7, 12)) == [False] * 5
+    assert drive(watch, planner, range(19, 40)) == []
+
+
+def test_a_smaller_plan_that_is_not_faster_is_left_and_the_watch_stops():
+    watch, planner, _ = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.99})  # 1% is timing noise
+    assert drive(watch, planner, range(13)) == [(6, "B"), (12, "A")]
+    with pytest.warns(UserWarning, match="were not faster") as caught:
+        assert drive(watch, planner, range(13, 19)) == []
+    assert "the plan for 0.0 GiB stays" in str(caught[0].message)  # (the fake's limits are a few bytes)
+    assert (watch.lowered, watch.reverted, watch.stopped, planner.memory_limit) == (0, True, True, 8.0)
+    assert drive(watch, planner, range(19, 50)) == []  # still freeing: nothing more is tried
+
+
+def test_the_plan_timed_first_is_not_favoured_by_a_run_that_speeds_up():
+    watch, planner, _ = watch_for({8.0: "A", 6.0: "B"}, {})
+    slow_start = iter([2.0] * 12 + [1.0] * 100)  # the first batches are slow whatever the plan
+    watch.clock = Clock(lambda: next(slow_start))
+    with pytest.warns(UserWarning, match="were not faster"):
+        assert drive(watch, planner, range(30)) == [(6, "B"), (12, "A")]
+    assert planner.memory_limit == 8.0
+
+
+def test_a_limit_that_chooses_the_same_plan_is_passed_over():
+    watch, planner, _ = watch_for({8.0: "A", 6.0: "A", 4.5: "C"}, {"A": 1.0, "C": 0.5})
+    with pytest.warns(UserWarning, match="kept"):
+        assert drive(watch, planner, range(19)) == [(6, "C"), (12, "A"), (18, "C")]  # 6.0 chose A again
+    assert (watch.lowered, planner.memory_limit) == (2, 4.5)
+    assert drive(watch, planner, range(19, 40)) == []  # 3.4 fits nothing: the limit stays, nothing more tried
+    assert (watch.stopped, planner.memory_limit) == (True, 4.5)
+
+
+def test_frees_without_a_smaller_plan_warn_once_and_the_limit_stays():
+    watch, planner, _ = watch_for({8.0: "A"}, {"A": 1.0})
+    with pytest.warns(UserWarning, match="The plan stays") as caught:
+        assert drive(watch, planner, range(30)) == []
+    assert len(caught) == 1 and "gpu_memory" in str(caught[0].message)
+    assert (planner.memory_limit, watch.stopped) == (8.0, True)
+
+
+def test_measuring_evaluation_and_quiet_batches_are_not_judged():
+    watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.5})
+    device.freeing = False
+    assert drive(watch, planner, range(20)) == []
     device.freeing = True
-    assert looks(watch, range(12, 16), measuring=True) == [False] * 4  # measuring batches are not judged
-    assert looks(watch, range(16, 19), plan_since=16) == [False, False, False]  # a new plan settles first
-    watch.forget()  # an evaluation pass ran: the next interval is not judged
-    assert looks(watch, range(19, 22), plan_since=16) == [False, False, True]
-    watch.lowered = CacheWatch.limit
-    assert looks(watch, range(22, 26), plan_since=16) == [False] * 4
+    for call in range(20, 30):  # an evaluation pass between every two batches: no interval is judged
+        watch.forget()
+        assert watch.next_plan(call, 8) is None
+    planner.measuring = True
+    assert drive(watch, planner, range(30, 40)) == []
+    planner.measuring = False
+    planner.plan_since = 40
+    assert drive(watch, planner, range(40, 47)) == [(46, "B")]
+    planner.measuring = True  # the planner measures the layers again mid-trial: its limit comes back
+    assert drive(watch, planner, range(47, 48)) == [] and planner.memory_limit == 8.0
+    planner.measuring = False  # (the planner's next plan comes from its own measurement, under 8.0)
 
 
-@pytest.mark.timeout(120)
-def test_frees_every_batch_plan_smaller_stages_and_training_stays_exact():
+def exact_engine_through_a_trial(pace_of_first: float, pace_of_smaller: float):
+    """A two-worker engine whose measured plan just fits its limit while its allocators free every batch,
+    timed by a clock that gives the first plan and the smaller one these seconds per batch; gradients
+    are compared with plain autograd after every batch. Returns the engine, the first plan and its limit."""
     _SLOW.update(layer=-1)
     net = model()
     reference = copy.deepcopy(net)
@@ -62,27 +146,48 @@ def test_frees_every_batch_plan_smaller_stages_and_training_stays_exact():
         w.freeing = False
     engine = auto_engine(net, check_every=0, memory_limit=1e12)
     engine.caches.devices = workers  # the engine's own CPU workers free nothing
+    train_and_compare(engine, net, reference, 1)  # the measuring batch
+    costs = engine.planner.layer_costs
+    assert costs is not None
+    first = engine.plan
+    need = max(stage_memory(costs, stage) for stage in first.stages())
+    engine.planner.memory_limit = need  # the plan just fits the planner's model
+    engine.caches.clock = Clock(lambda: pace_of_first if engine.plan == first else pace_of_smaller)
+    train_and_compare(engine, net, reference, 8)
+    assert engine.plan == first and engine.planner.memory_limit == need  # no frees: nothing changes
+    for w in workers:
+        w.freeing = True
+    train_and_compare(engine, net, reference, 7)  # the window of frees: a smaller plan on trial, timed
+    assert engine.plan != first and engine.planner.memory_limit < need
+    assert all(stage_memory(costs, s) <= engine.planner.memory_limit for s in engine.plan.stages())
+    train_and_compare(engine, net, reference, 6)  # the first plan again, timed after it
+    assert engine.plan == first and engine.planner.memory_limit == need
+    return engine, net, reference, first, need
+
+
+@pytest.mark.timeout(120)
+def test_a_faster_smaller_plan_trains_exactly_and_stays():
+    engine, net, reference, first, need = exact_engine_through_a_trial(1.0, 0.7)
     try:
-        train_and_compare(engine, net, reference, 1)  # the measuring batch
-        costs = engine.planner.layer_costs
-        assert costs is not None
-        first = engine.plan
-        need = max(stage_memory(costs, stage) for stage in first.stages())
-        engine.planner.memory_limit = need  # the plan just fits the planner's model
-        train_and_compare(engine, net, reference, 4)
-        assert engine.plan == first and engine.planner.memory_limit == need  # no frees: nothing changes
-        for w in workers:
-            w.freeing = True
-        with pytest.warns(UserWarning, match="gave device memory back in each of the last 2 batches") as caught:
-            train_and_compare(engine, net, reference, 3)
-        assert "Planning for" in str(caught[0].message)
-        assert engine.planner.memory_limit == pytest.approx(CacheWatch.factor * need)
-        assert engine.plan != first
-        assert all(stage_memory(costs, s) <= CacheWatch.factor * need for s in engine.plan.stages())
-        for w in workers:
-            w.freeing = False
-        train_and_compare(engine, net, reference, 4)  # the same numbers under the smaller plan
-        assert engine.caches.lowered == 1
+        for w in engine.caches.devices:
+            w.freeing = False  # the smaller plan's caches fit: after it is kept, nothing more is tried
+        with pytest.warns(UserWarning, match="kept"):
+            train_and_compare(engine, net, reference, 6)  # judged on the first plan: the smaller one kept
+        assert engine.plan != first and engine.caches.lowered >= 1 and not engine.caches.reverted
+        assert engine.planner.memory_limit == pytest.approx(CacheWatch.factor**engine.caches.lowered * need)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_slower_smaller_plan_is_undone_and_training_stays_exact():
+    engine, net, reference, first, need = exact_engine_through_a_trial(1.0, 1.2)
+    try:
+        with pytest.warns(UserWarning, match="were not faster"):
+            train_and_compare(engine, net, reference, 6)
+        assert engine.plan == first and engine.planner.memory_limit == need and engine.caches.reverted
+        train_and_compare(engine, net, reference, 8)  # frees go on; the first plan stays
+        assert engine.plan == first
     finally:
         engine.close()
 
@@ -95,7 +200,7 @@ def test_a_fixed_plan_is_kept_and_the_warning_says_what_to_change():
     engine = PipelineEngine(list(net.children()), workers, plan="4|4,4", microbatches_per_round=2, memory_limit=1e12)
     try:
         with pytest.warns(UserWarning, match="The plan stays") as caught:
-            train_and_compare(engine, net, reference, 8)
+            train_and_compare(engine, net, reference, 10)
         assert len([w for w in caught if "gave device memory back" in str(w.message)]) == 1  # said once
         assert "gpu_memory" in str(caught[0].message)
         assert str(engine.plan) == "4|4,4" and engine.planner.memory_limit == 1e12

@@ -10,14 +10,21 @@ device idles until the worker catches up. Measured on one H200 capped at 24 GiB 
 32 x 2048 tokens per step, docs/benchmarks.md, 2026-12-02): at ``gpu_memory=0.8`` 460 frees in six steps,
 34,701 tokens/s; planned for 0.6 of the card none, 37,505.
 
-:class:`CacheWatch` counts the frees between two training batches; when the batches of a plan made some
-``patience`` times in a row, the plan is chosen again for ``factor`` times the memory, up to ``limit`` times.
+Frees are a symptom, not the cost: on the same card the Qwen3-8B shape kept freeing on ever smaller stages
+and ran slower on each (9,166 tokens/s on its first plan, 7,614 after three lowerings). So a lowering is a
+trial: :class:`CacheWatch` times the smaller plan's batches (seconds per sample between dispatches), then the
+plan before it again (after, so that the run's own warming up, host buffers filling in its first steps,
+cannot favour the plan timed later), and keeps the smaller plan only when it was faster; otherwise the
+larger plan stays and the watch stops.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from lightning_roundpipe.engine.planner import AutoPlanner
 from lightning_roundpipe.runtime.callers import outside_package
@@ -26,67 +33,146 @@ from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.schedule.plan import StagePlan
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """A smaller plan on trial: the limit before and the one tried, the factors between them, and the
+    tried plan's seconds per sample once timed (then the plan before it runs again to be timed)."""
+
+    limit: float
+    tried: float
+    steps: int
+    pace: float | None = None
+
+
 class CacheWatch:
-    """Whether the running plan keeps making the devices' allocators give memory back."""
+    """Whether the running plan keeps making the devices' allocators give memory back, and whether
+    planning for less memory then pays."""
 
     settle = 2
     """Batches on a new plan not judged: the caches let go of the old plan's block sizes first."""
     patience = 2
-    """Intervals between batches in a row with frees before the plan is judged too large."""
+    """Intervals between batches in a row with frees before a smaller plan is tried."""
+    window = 4
+    """Intervals between dispatches a plan's pace is taken over (before a trial, and on trial)."""
+    gain = 0.03
+    """How much less time per sample a smaller plan must take to be kept (timing noise stays under it)."""
     factor = 0.75
-    """What the memory limit is multiplied by each time (0.8 of a card becomes 0.6, then 0.45)."""
+    """What the memory limit is multiplied by for a trial (0.8 of a card becomes 0.6, then 0.45)."""
     limit = 3
-    """Times the memory limit is lowered at most; then the plan stays (and one warning says so)."""
+    """Factors taken at most, kept or not: the limit never goes under ``factor ** limit`` of where it began."""
 
-    def __init__(self, devices: Sequence[WorkerDevice], planner: AutoPlanner, store: HostStore) -> None:
+    def __init__(
+        self,
+        devices: Sequence[WorkerDevice],
+        planner: AutoPlanner,
+        store: HostStore,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.devices = list(devices)
-        self.planner, self.store = planner, store
+        self.planner, self.store, self.clock = planner, store, clock
         self.lowered = 0
-        """Times the engine planned for less memory after this watch said so."""
+        """Factors of :attr:`factor` the memory limit was lowered by and kept."""
+        self.reverted = False
+        """A smaller plan was tried and was not faster than the plan before it, which stays."""
+        self.stopped = False
+        """Nothing more is tried in this run (a trial failed, nothing smaller fits, or the plan is fixed)."""
+        self._trial: _Trial | None = None
+        self._tried = 0
         self._last: int | None = None
         self._streak = 0
+        self._times: deque[tuple[float, int]] = deque(maxlen=self.window + 1)  # (dispatch time, samples)
 
     def forget(self) -> None:
         """The interval up to the next batch is not judged (an evaluation pass ran in it)."""
         self._last, self._streak = None, 0
+        self._times.clear()
 
-    def stalls(self, call: int, plan_since: int, measuring: bool) -> bool:
-        """Called before batch ``call`` is dispatched: ``True`` when the batches since the plan settled freed
-        cached device memory in each of the last :attr:`patience` intervals between two calls."""
-        now = sum(device.cache_releases() for device in self.devices)
-        last, self._last = self._last, now
-        if measuring or last is None or call - plan_since < self.settle or self.lowered >= self.limit:
-            self._streak = 0
-            return False
-        self._streak = self._streak + 1 if now > last else 0
-        if self._streak < self.patience:
-            return False
-        self._streak = 0
-        return True
-
-    def smaller_plan(self, call: int) -> StagePlan | None:
-        """Before batch ``call`` is dispatched: the plan for less memory per stage when :meth:`stalls`, with
-        a warning saying why; ``None`` otherwise, and when nothing smaller can be planned (said once)."""
+    def next_plan(self, call: int, samples: int) -> StagePlan | None:
+        """Called before batch ``call`` (of ``samples``) is dispatched: the plan to switch to (a smaller one
+        to try, or the one before a trial that did not pay), with a warning saying why; ``None`` to stay."""
+        now, releases = self.clock(), sum(device.cache_releases() for device in self.devices)
+        last, self._last = self._last, releases
         planner = self.planner
-        if not self.stalls(call, planner.plan_since, planner.measuring):
+        if planner.measuring:  # the planner measures the layers again and plans under its limit after
+            if self._trial is not None:
+                planner.memory_limit, self._trial = self._trial.limit, None
+            self._streak = 0
+            self._times.clear()
             return None
-        self.lowered += 1
-        before = planner.memory_limit
-        plan = None if before is None else planner.plan_for_memory(self.store, self.factor * before)
-        what = f"roundpipe: the caching allocator gave device memory back in each of the last {self.patience} batches"
-        if plan is None or before is None or planner.memory_limit is None:
-            self.lowered = self.limit  # say it once, then stop watching
+        if self.stopped or call - planner.plan_since < self.settle:
+            self._streak = 0
+            self._times.clear()
+            return None
+        self._times.append((now, samples))
+        if len(self._times) > 1:  # the interval that just ended ran on this plan, settled
+            self._streak = self._streak + 1 if last is not None and releases > last else 0
+        if len(self._times) <= self.window:
+            return None
+        if self._trial is not None:
+            return self._judge(self._trial)
+        if self._streak >= self.patience:
+            return self._lower()
+        return None
+
+    def _pace(self) -> float:
+        """Seconds per sample between the first and the last dispatch of the window."""
+        times = list(self._times)
+        return (times[-1][0] - times[0][0]) / max(1, sum(samples for _, samples in times[:-1]))
+
+    def _lower(self) -> StagePlan | None:
+        """The first plan (or micro-batch count) that differs from the running one under a lower limit."""
+        planner, self._streak = self.planner, 0
+        before, running = planner.memory_limit, (planner.plan, planner.microbatches_per_round)
+        limit, steps = before, 0
+        while before is not None and limit is not None and self._tried + steps < self.limit:
+            steps += 1
+            plan = planner.plan_for_memory(self.store, self.factor * limit)
+            if plan is None:
+                break
+            if (plan, planner.microbatches_per_round) != running:
+                self._trial, self._tried = _Trial(before, planner.memory_limit, steps), self._tried + steps
+                return plan
+            limit = planner.memory_limit
+        if before is not None and steps:  # the same plan under every lower limit, or none fits
+            planner.plan_for_memory(self.store, before)
+        self.stopped = True
+        if self._tried == 0:
             warnings.warn(
-                f"{what} (each time the device waits for all its queued work). The plan stays (no measured"
-                " layers to plan from again, or nothing smaller fits): pass a plan with smaller stages or a"
-                " lower RoundPipeStrategy(gpu_memory=...); docs/tuning.md.",
+                f"{self._what()} The plan stays (no measured layers to plan from again, or nothing smaller fits):"
+                " pass a plan with smaller stages or a lower RoundPipeStrategy(gpu_memory=...); docs/tuning.md.",
                 stacklevel=outside_package(),
             )
-            return None
+        return None
+
+    def _judge(self, trial: _Trial) -> StagePlan | None:
+        """After :attr:`window` settled intervals: on the tried plan, time it and go back to the plan before
+        it; on that plan again, keep the tried one (switch to it) when it was faster, else stay and stop."""
+        planner, pace = self.planner, self._pace()
+        if trial.pace is None:
+            self._trial = replace(trial, pace=pace)
+            return planner.plan_for_memory(self.store, trial.limit)
+        self._trial = None
+        now, before = trial.tried / 2**30, trial.limit / 2**30
+        if trial.pace <= (1 - self.gain) * pace:
+            self.lowered += trial.steps
+            warnings.warn(
+                f"{self._what()} Stages planned for {now:.1f} GiB instead of {before:.1f} GiB ran"
+                f" {1 - trial.pace / pace:.0%} faster per sample: kept (RoundPipeStrategy(gpu_memory=...) sets"
+                " where this starts).",
+                stacklevel=outside_package(),
+            )
+            return planner.plan_for_memory(self.store, trial.tried)
+        self.reverted = self.stopped = True
         warnings.warn(
-            f"{what} (each time the device waits for all its queued work): its per-stream caches did not fit"
-            f" beside stages planned for {before / 2**30:.1f} GiB. Planning for {planner.memory_limit / 2**30:.1f}"
-            " GiB from now on (RoundPipeStrategy(gpu_memory=...) sets where this starts).",
+            f"{self._what()} Stages planned for {now:.1f} GiB instead of {before:.1f} GiB were not faster"
+            f" ({trial.pace * 1e3:.3g} against {pace * 1e3:.3g} ms per sample): the plan for {before:.1f} GiB"
+            " stays, not tried again in this run.",
             stacklevel=outside_package(),
         )
-        return plan
+        return None
+
+    def _what(self) -> str:
+        return (
+            f"roundpipe: the caching allocator gave device memory back in each of the last {self.patience}"
+            " batches (each time the device waits for all its queued work)."
+        )

@@ -180,9 +180,9 @@ class PipelineEngine:
         self.steps.check_open()
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
-        if (smaller := self.caches.smaller_plan(self.calls)) is not None and smaller != self.plan:
-            self.set_plan(smaller)  # the devices' allocators kept giving memory back: less memory per stage
         batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"))
+        if (plan := self.caches.next_plan(self.calls, batch.samples)) is not None:
+            self.set_plan(plan)  # the allocators kept giving memory back: a smaller plan on trial, or the end of one
         start = self.dispatch_position
         attempt = self._launch(batch, self.calls, start)
         flight, self.calls = attempt.flight, self.calls + 1
