@@ -18,7 +18,8 @@
 #        host-8b (issue 25) lora-gpt-oss lora-mistral (issue 26) sdpa loss-kernels kernel-experiments (issue 24: SDPA backends, LM-head losses, both under Trainer)
 #        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
 #        kernels-off-4b-8b (issue 24: the 4B and 8B at 24 GiB without the kernels, one call)
-#        cache-watch cache-watch-8b plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B; plain with Liger)
+#        cache-watch cache-watch-8b profile-24gib plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B;
+#        the kept plan's profile; plain with Liger)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -110,6 +111,10 @@ for step in "${steps[@]}"; do
       # tokens/s after three lowerings): the trial should leave the first plan (about step 22). About 300 s
       run cache-watch-8b 380 python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true --gpu-gib 24 \
         --configs newcomer --warmup 24 --config-timeout 350 --out "$OUT/cache-watch-8b.json" ;;
+    profile-24gib)  # issue 24's 40k at 24 GiB: the plan CacheWatch keeps (gpu_memory=0.6, no trial in the way) ran
+      # 1.71 s per step against the planner's 1.40; where the other 0.3 s goes (kernel kinds, idle gaps). About 150 s
+      run profile-24gib 240 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-gm0.6 --profile \
+        --profile-steps 2 --warmup 8 --config-timeout 200 --out "$OUT/profile-24gib.json" ;;
     plain-liger-profile)  # plain with Liger ran 19,278 against plain's 21,017 (2026-12-02): where its time goes
       run plain-liger-profile 300 python benchmarks/lightning_user.py --configs plain,plain-liger --profile \
         --config-timeout 140 --out "$OUT/plain-liger-profile.json" ;;
