@@ -90,6 +90,8 @@ class CacheWatch:
     def next_plan(self, call: int, samples: int) -> StagePlan | None:
         """Called before batch ``call`` (of ``samples``) is dispatched: the plan to switch to (a smaller one
         to try, or the one before a trial that did not pay), with a warning saying why; ``None`` to stay."""
+        if self.stopped:
+            return None
         now, releases = self.clock(), sum(device.cache_releases() for device in self.devices)
         last, self._last = self._last, releases
         planner = self.planner
@@ -99,7 +101,7 @@ class CacheWatch:
             self._streak = 0
             self._times.clear()
             return None
-        if self.stopped or call - planner.plan_since < self.settle:
+        if call - planner.plan_since < self.settle:
             self._streak = 0
             self._times.clear()
             return None
