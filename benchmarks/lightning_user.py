@@ -293,6 +293,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         result["anatomy"] = anatomy.result
     engine_state = getattr(trainer.strategy, "_last_engine", None)
     result.update(engine_state or {})
+    if engine_state is not None:  # a plan that began inside the timed steps: the number mixes two plans
+        result["plan_changed_while_timed"] = engine_state["plan_since_batch"] // accumulate >= args.warmup
     return result
 
 
@@ -404,6 +406,7 @@ class _Remember(L.Callback):
             "cache_lowered": engine.caches.lowered,  # plans made for less memory after allocator frees
             "cache_reverted": engine.caches.reverted,  # a smaller plan tried, not faster, undone
             "memory_limit_gib": engine.planner.memory_limit / GiB if engine.planner.memory_limit else None,
+            "plan_since_batch": engine.planner.plan_since,  # the batch the running plan began with
         }
 
 
@@ -449,6 +452,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"{r['config']}: device seconds over {r['anatomy']['steps']} steps: {parts};"
                   f" idle {kinds['idle_between_kernels_s']:.3f} of {kinds['span_s']:.3f}")  # fmt: skip
+        if r.get("plan_changed_while_timed"):
+            print(f"{r['config']}: the plan changed inside the timed steps (at batch {r['plan_since_batch']}):"
+                  " tokens/s mixes two plans; raise --warmup")  # fmt: skip
         if r.get("worker_waits_s"):
             waits = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["worker_waits_s"].items(), key=lambda kv: -kv[1]))
             print(f"{r['config']}: seconds per batch the workers waited: {waits}")
