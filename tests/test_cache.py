@@ -160,6 +160,8 @@ def exact_engine_through_a_trial(pace_of_first: float, pace_of_smaller: float):
     train_and_compare(engine, net, reference, 7)  # the window of frees: a smaller plan on trial, timed
     assert engine.plan != first and engine.planner.memory_limit < need
     assert all(stage_memory(costs, s) <= engine.planner.memory_limit for s in engine.plan.stages())
+    saved = engine.state_dict()  # a checkpoint mid-trial keeps the plan the run settled on, not the one on trial
+    assert (saved["plan"], saved["memory_limit"], saved["drift_reference"]) == (str(first), need, None)
     train_and_compare(engine, net, reference, 6)  # the first plan again, timed after it
     assert engine.plan == first and engine.planner.memory_limit == need
     return engine, net, reference, first, need
@@ -175,6 +177,8 @@ def test_a_faster_smaller_plan_trains_exactly_and_stays():
             train_and_compare(engine, net, reference, 6)  # judged on the first plan: the smaller one kept
         assert engine.plan != first and engine.caches.lowered >= 1 and not engine.caches.reverted
         assert engine.planner.memory_limit == pytest.approx(CacheWatch.factor**engine.caches.lowered * need)
+        saved = engine.state_dict()
+        assert (saved["plan"], saved["memory_limit"]) == (str(engine.plan), engine.planner.memory_limit)
     finally:
         engine.close()
 

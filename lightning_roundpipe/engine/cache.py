@@ -35,9 +35,12 @@ from lightning_roundpipe.schedule.plan import StagePlan
 
 @dataclass(frozen=True)
 class _Trial:
-    """A smaller plan on trial: the limit before and the one tried, the factors between them, and the
-    tried plan's seconds per sample once timed (then the plan before it runs again to be timed)."""
+    """A smaller plan on trial: the plan, micro-batch count and limit before it and the limit tried, the
+    factors between them, and the tried plan's seconds per sample once timed (then the plan before it
+    runs again to be timed)."""
 
+    plan: StagePlan
+    count: int
     limit: float
     tried: float
     steps: int
@@ -116,6 +119,14 @@ class CacheWatch:
             return self._lower()
         return None
 
+    def settled(self) -> tuple[StagePlan, int, float | None]:
+        """The plan, micro-batch count and memory limit the run has settled on: during a trial, those
+        before it (what a checkpoint saves, so that a resumed run does not keep a plan never judged)."""
+        if self._trial is not None:
+            return self._trial.plan, self._trial.count, self._trial.limit
+        planner = self.planner
+        return planner.plan, planner.microbatches_per_round, planner.memory_limit
+
     def _pace(self) -> float:
         """Seconds per sample between the first and the last dispatch of the window."""
         times = list(self._times)
@@ -132,7 +143,7 @@ class CacheWatch:
             if plan is None:
                 break
             if (plan, planner.microbatches_per_round) != running:
-                self._trial, self._tried = _Trial(before, planner.memory_limit, steps), self._tried + steps
+                self._trial, self._tried = _Trial(*running, before, planner.memory_limit, steps), self._tried + steps
                 return plan
             limit = planner.memory_limit
         if before is not None and steps:  # the same plan under every lower limit, or none fits

@@ -22,19 +22,20 @@ if TYPE_CHECKING:
 def engine_state(engine: PipelineEngine) -> dict[str, Any]:
     """The state to save; call after a flush and once early casts settled."""
     planner, steps = engine.planner, engine.steps
+    plan, count, limit = engine.caches.settled()  # mid-trial: the plan before the one on trial
     state: dict[str, Any] = {
         "calls": engine.calls,
         "step": steps.step,
         "dispatch_position": engine.dispatch_position,
         "base_seed": engine.base_seed,
-        "plan": str(planner.plan),
+        "plan": str(plan),
         "layer_costs": None if planner.layer_costs is None else asdict(planner.layer_costs),
-        "drift_reference": planner.reference,
+        "drift_reference": planner.reference if plan == planner.plan else None,
         "drifted": planner.drifted,
         "offset_checked": planner.offset_checked,
         "profiling": planner.measuring,
-        "microbatches_per_round": planner.microbatches_per_round,
-        "memory_limit": planner.memory_limit,  # lowered where a batch ran out of device memory
+        "microbatches_per_round": count,
+        "memory_limit": limit,  # lowered where a batch ran out of device memory, or a smaller plan paid
     }
     optimizer = engine.crew.optimizer
     if optimizer is not None and optimizer.scales:  # 16-mixed: the scales the next two steps use
