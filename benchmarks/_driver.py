@@ -102,9 +102,10 @@ def write(out: str | None, argv: list[str], script: str, results: list[dict[str,
         return
     import torch
 
+    settings = " ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_CUDA_ALLOC_CONF",) if os.environ.get(k))
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "command": f"python benchmarks/{Path(script).name} " + " ".join(argv),
+        "date": time.strftime("%Y-%m-%d"),  # the command as run, with the environment that changes results
+        "command": (f"{settings} " if settings else "") + f"python benchmarks/{Path(script).name} " + " ".join(argv),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,11 +66,23 @@ def test_benchmark_runs_on_cpu(script, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())
-    assert written["meta"]["command"].startswith(f"python benchmarks/{script}.py")
+    assert re.match(rf"(\S+=\S+ )*python benchmarks/{script}\.py ", written["meta"]["command"])
     results = written["results"] if "results" in written else written["result"]
     assert not failed_configurations(results), results
     if script == "bubble_check":  # enough to simulate the measured plan again offline
         assert results["layer_costs"]["forward"] and results["last_timeline"] and results["plan"]
+
+
+def test_the_recorded_command_carries_the_allocator_setting_it_ran_under(tmp_path, monkeypatch):
+    """``expandable_segments`` changes the numbers: a result file must say it ran with it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _driver import write
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    write(str(tmp_path / "r.json"), ["--configs", "newcomer"], "lightning_user.py", [])
+    command = json.loads((tmp_path / "r.json").read_text())["meta"]["command"]
+    setting = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert command == f"{setting} python benchmarks/lightning_user.py --configs newcomer"
 
 
 @pytest.mark.timeout(60)
