@@ -47,6 +47,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
     - ``roundpipe/stages``: slots per round in the current plan
     - ``roundpipe/recovered_batches``: batches run again on a smaller plan after a device ran out of
       memory (docs/reliability.md)
+    - ``roundpipe/memory_limit_gib``: what the plan's stages are sized for on a GPU (``gpu_memory``, lowered
+      after running out of memory, or while a smaller plan is tried because the allocator kept freeing)
     - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
       automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
       a row the layers are measured again
@@ -171,6 +173,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/host_step_s"] = host_step
         if engine.planner.drift is not None:
             metrics["roundpipe/drift"] = engine.planner.drift
+        if engine.planner.memory_limit is not None:
+            metrics["roundpipe/memory_limit_gib"] = engine.planner.memory_limit / 2**30
         now, moved = time.perf_counter(), engine.crew.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9

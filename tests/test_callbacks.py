@@ -12,7 +12,10 @@ from helpers import BoringPipeline, boring_data
 from lightning_roundpipe import RoundPipeMonitor, RoundPipeStrategy
 
 
-def test_monitor_logs_and_writes_files(tmp_path):
+def test_monitor_logs_and_writes_files(tmp_path, monkeypatch):
+    import lightning_roundpipe.build
+
+    monkeypatch.setattr(lightning_roundpipe.build, "device_memory_limit", lambda *a: 3 * 2**30)  # a GPU's limit
     monitor = RoundPipeMonitor(timeline=tmp_path / "timeline.json", layer_costs=tmp_path / "costs.json")
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
     L.seed_everything(0, verbose=False)
@@ -39,8 +42,10 @@ def test_monitor_logs_and_writes_files(tmp_path):
         "roundpipe/host_step_s",
         "roundpipe/wait_inputs_s",  # the workers' blocked seconds per batch, by reason
         "roundpipe/wait_launch_s",
+        "roundpipe/memory_limit_gib",
     ):
         assert key in keys, key  # fmt: skip
+    assert {float(r["roundpipe/memory_limit_gib"]) for r in rows if r.get("roundpipe/memory_limit_gib")} == {3.0}
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]
     assert measured and all(0 <= b < 1 for b in measured)
     split = [r for r in rows if r.get("roundpipe/bubble_in_step") and r.get("roundpipe/host_gap")]
