@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import statistics
 import time
 
@@ -167,8 +168,19 @@ def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
         engine.close()
     resumed = PipelineEngine(list(model().children()), [WorkerDevice("cpu", i) for i in range(2)], plan="auto")
     try:
-        resumed.load_state_dict(state)
+        saved = io.BytesIO()  # as a checkpoint file holds it, read back as Lightning may (plain types only)
+        torch.save(state, saved)
+        saved.seek(0)
+        resumed.load_state_dict(torch.load(saved, weights_only=True))
         assert resumed.planner.microbatches_per_round == 2 and resumed.plan == engine.plan
+        # the measurements came along: a resumed run can plan again (out of memory, the allocator watch)
+        before, after = engine.planner, resumed.planner
+        assert after.fitted is not None and before.fitted is not None
+        assert after.fitted.costs(resumed.store, 3.0) == before.fitted.costs(engine.store, 3.0)
+        assert (after.batch_samples, after.sample_elements) == (before.batch_samples, before.sample_elements)
+        limit = 1e9
+        assert after.plan_for_memory(resumed.store, limit) == before.plan_for_memory(engine.store, limit)
+        assert after.microbatches_per_round == before.microbatches_per_round
     finally:
         resumed.close()
 

@@ -110,8 +110,8 @@ class AutoPlanner:
         self._warned_measuring = False
         self._warned_lowered = False
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
-        self._batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
-        self._sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
+        self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
+        self.sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
         self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
@@ -176,8 +176,8 @@ class AutoPlanner:
         self.transfers.measure(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
             self.profile.add(flight)
-            self._batch_samples = max(self._batch_samples, flight.samples)
-            self._sample_elements = max(self._sample_elements, flight.sample_elements)
+            self.batch_samples = max(self.batch_samples, flight.samples)
+            self.sample_elements = max(self.sample_elements, flight.sample_elements)
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
@@ -188,7 +188,7 @@ class AutoPlanner:
     def _plan_from(self, profile: LayerProfile, store: HostStore) -> StagePlan:
         """The plan (and, when chosen, the micro-batch count) from the measured layers."""
         self.profile, self.fitted = None, profile
-        return self._choose(profile, store, self._batch_samples or self.num_microbatches, self.memory_limit)
+        return self._choose(profile, store, self.batch_samples or self.num_microbatches, self.memory_limit)
 
     def _choose(
         self, profile: LayerProfile, store: HostStore, samples: int, limit: float | None, scale: float = 1.0
@@ -224,8 +224,8 @@ class AutoPlanner:
         the measured ones), and the plan and count are chosen again under it. Without that (a batch
         that was measuring the layers) or when no plan fits it: twice the micro-batches, or where each
         holds one sample already, the failing stage cut in two."""
-        samples = max(self._batch_samples, flight.samples)
-        scale = max(1.0, flight.sample_elements / self._sample_elements) if self._sample_elements else 1.0
+        samples = max(self.batch_samples, flight.samples)
+        scale = max(1.0, flight.sample_elements / self.sample_elements) if self.sample_elements else 1.0
         if self.fitted is not None and self.profile is None:
             size = flight.samples / len(flight.targets) * scale
             stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]
@@ -244,7 +244,7 @@ class AutoPlanner:
         memory limit; ``None`` without a measurement, or when no plan fits."""
         if self.fitted is None or self.profile is not None:
             return None
-        samples = samples or self._batch_samples or self.num_microbatches
+        samples = samples or self.batch_samples or self.num_microbatches
         with contextlib.suppress(Infeasible):
             plan = self._choose(self.fitted, store, samples, limit, scale)
             self.memory_limit = limit
@@ -262,8 +262,8 @@ class AutoPlanner:
         self.profile = LayerProfile(self.num_layers)
         self.plan = LayerProfile.plan(self.num_layers)
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
-        self._measuring_dispatched = self._batch_samples = 0
-        self._sample_elements = 0.0
+        self._measuring_dispatched = self.batch_samples = 0
+        self.sample_elements = 0.0
 
     def predict(self, handoff: float | None) -> None:
         """The simulator's bubble ratio for the current plan, measured layer costs and ``handoff``."""

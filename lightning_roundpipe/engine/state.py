@@ -1,9 +1,10 @@
 """The engine's part of a checkpoint: what resuming exactly needs besides the weights and the optimizer.
 
 That is the batch and step counters (part of every random seed), the dispatch position, the plan and
-the costs it came from with its drift bookkeeping, and, in asynchronous mode, the compute copies: the
-masters already hold the last submitted update, but the next batch must compute on the weights without
-it (staleness 1). The format is kept here only, and checkpoints of earlier releases still load.
+the costs it came from with its drift bookkeeping, the measurements a plan is chosen again from, and, in
+asynchronous mode, the compute copies: the masters already hold the last submitted update, but the next
+batch must compute on the weights without it (staleness 1). The format is kept here only, and checkpoints
+of earlier releases still load.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "profiling": planner.measuring,
         "microbatches_per_round": count,
         "memory_limit": limit,  # lowered where a batch ran out of device memory, or a smaller plan paid
+        "fitted": None if planner.fitted is None else planner.fitted.state(),  # what it plans again from
+        "measured": [planner.batch_samples, planner.sample_elements],
+        "transfers": [planner.transfers.boundary_per_sample, planner.transfers.upload_rate],
     }
     optimizer = engine.crew.optimizer
     if optimizer is not None and optimizer.scales:  # 16-mixed: the scales the next two steps use
@@ -64,6 +68,10 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
             planner.replan()  # saved while measuring again: measure anew
         elif plan.num_layers == planner.num_layers:
             planner.profile = None
+            if state.get("fitted") is not None and int(state["fitted"]["num_layers"]) == planner.num_layers:
+                planner.fitted = LayerProfile.from_state(state["fitted"])
+                planner.batch_samples, planner.sample_elements = int(state["measured"][0]), float(state["measured"][1])
+                planner.transfers.boundary_per_sample, planner.transfers.upload_rate = map(float, state["transfers"])
             if planner.chooses_microbatches and state.get("microbatches_per_round"):  # chosen with the plan
                 planner.microbatches_per_round = int(state["microbatches_per_round"])
             engine.set_plan(plan)

@@ -168,6 +168,28 @@ class LayerProfile:
             tuple(transients),
         )  # fmt: skip
 
+    def state(self) -> dict[str, Any]:
+        """The measurements as plain lists, for a checkpoint: a resumed run plans again from the same ones
+        (after running out of memory, or when the allocator keeps freeing) instead of not at all."""
+
+        def rows(table: dict[str, dict[tuple[int, float], list[float]]]) -> dict[str, list[list[Any]]]:
+            return {
+                kind: [[layer, size, list(v)] for (layer, size), v in by.items() if v] for kind, by in table.items()
+            }
+
+        return {"num_layers": self.num_layers, "samples": rows(self.samples), "first": rows(self._first),
+                "sizes": sorted(self.sizes), "batches": self.batches}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> LayerProfile:
+        profile = cls(int(state["num_layers"]))
+        for table, saved in ((profile.samples, state["samples"]), (profile._first, state["first"])):
+            for kind, rows in saved.items():
+                for layer, size, values in rows:
+                    table[kind][(int(layer), float(size))] = [float(v) for v in values]
+        profile.sizes, profile.batches = {float(s) for s in state["sizes"]}, int(state["batches"])
+        return profile
+
     def _of(self, kind: str, key: tuple[int, float], one_offs: bool) -> list[float]:
         """A layer's samples at one size; for memory peaks, with the first micro-batch's (``one_offs``, or
         when it has no other)."""
