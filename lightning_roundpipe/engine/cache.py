@@ -13,9 +13,9 @@ device idles until the worker catches up. Measured on one H200 capped at 24 GiB 
 Frees are a symptom, not the cost: on the same card the Qwen3-8B shape kept freeing on ever smaller stages
 and ran slower on each (9,166 tokens/s on its first plan, 7,614 after three lowerings). So a lowering is a
 trial: :class:`CacheWatch` times the smaller plan's batches (seconds per sample between dispatches), then the
-plan before it again (after, so that the run's own warming up, host buffers filling in its first steps,
-cannot favour the plan timed later), and keeps the smaller plan only when it was faster; otherwise the
-larger plan stays and the watch stops.
+plan before it again (after, so that anything that still speeds the run up by itself cannot favour the
+plan timed later), and keeps the smaller plan only when it was faster; otherwise the larger plan stays and
+the watch stops.
 """
 
 from __future__ import annotations
