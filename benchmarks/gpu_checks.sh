@@ -19,7 +19,7 @@
 #        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
 #        kernels-off-4b-8b (issue 24: the 4B and 8B at 24 GiB without the kernels, one call)
 #        cache-watch cache-watch-8b profile-24gib plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B;
-#        the kept plan's profile; plain with Liger)
+#        the kept plan's profile; plain with Liger) host-bound (issue 24: 2, 8 and 16 micro-batches, one fused stage)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -115,6 +115,11 @@ for step in "${steps[@]}"; do
       # 1.71 s per step against the planner's 1.40; where the other 0.3 s goes (kernel kinds, idle gaps). About 150 s
       run profile-24gib 240 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-gm0.6 --profile \
         --profile-steps 2 --warmup 8 --config-timeout 200 --out "$OUT/profile-24gib.json" ;;
+    host-bound)  # issue 24: small micro-batches, one fused stage, full card. On 2026-12-02 (sixth session) 16
+      # micro-batches of 2 sequences ran 24,096 tokens/s against 49k for 2 of 16: py-spy had the worker's thread
+      # (forward) and autograd's (backward) busy in turn; the blocks now share the attention inputs. About 250 s
+      run host-bound 360 python benchmarks/lightning_user.py --configs fused-2,fused-8,fused-16 --warmup 6 --steps 4 --profile \
+        --config-timeout 110 --out "$OUT/host-bound.json" ;;  # the profile: kernel seconds against the span
     plain-liger-profile)  # plain with Liger ran 19,278 against plain's 21,017 (2026-12-02): where its time goes
       run plain-liger-profile 300 python benchmarks/lightning_user.py --configs plain,plain-liger --profile \
         --config-timeout 140 --out "$OUT/plain-liger-profile.json" ;;

@@ -23,6 +23,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
   settings the issue measured);
+- ``fused-N``: ``tuned-N`` with one fused stage of all layers (``plan="|L"``, nothing measured): at many
+  micro-batches, what the host's launches cost (on the full card);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
   nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
 
@@ -48,6 +50,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,8 +159,10 @@ class Clock(L.Callback):
         self.allocator_calls: list[tuple[int, int]] = []
         """(cudaMalloc calls, cudaFree calls) so far, at the first and the last timed step."""
         self._handle: Any = None
+        self._last = time.perf_counter()
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._last = time.perf_counter()
         now, peak = self.resident.reading()
         self.host_gib.append({"at": "train start", "rss": round(now, 2), "peak": round(peak, 2)})
 
@@ -172,9 +177,19 @@ class Clock(L.Callback):
         except Exception:  # no driver library (CPU smoke test)
             return None
 
+    def _progress(self, trainer: L.Trainer) -> None:
+        """One line per step on stderr (seconds since the last, the plan): a config that times out still
+        says where its time went."""
+        now = time.perf_counter()
+        engine = getattr(trainer.strategy, "engine", None)
+        plan = f" plan {engine.plan} x {engine.num_microbatches}" if engine is not None else ""
+        print(f"step {trainer.global_step}: {now - self._last:.2f} s{plan}", file=sys.stderr, flush=True)
+        self._last = now
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         if trainer.fit_loop._should_accumulate():
             return
+        self._progress(trainer)
         now, peak = self.resident.reading()
         self.host_gib.append({"at": f"step {trainer.global_step}", "rss": round(now, 2), "peak": round(peak, 2)})
         if torch.cuda.is_available():
@@ -196,7 +211,7 @@ class Clock(L.Callback):
                 self.allocator_calls.append((stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)))
 
 
-def strategy_for(config: str) -> tuple[Any, bool]:
+def strategy_for(config: str, layers: int = 0) -> tuple[Any, bool]:
     """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one."""
     if config in ("plain", "plain-liger"):
         return "auto", True
@@ -214,12 +229,14 @@ def strategy_for(config: str) -> tuple[Any, bool]:
         return RoundPipeStrategy(split_decoder_layers=True), False
     if config == "newcomer-split-tiled":
         return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
+    if config.startswith("fused-"):  # one fused stage of every layer (no measuring): what N costs on the host
+        return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1]), plan=f"|{layers}"), True
     if config.startswith("tuned-"):
         return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
         " newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
-        " newcomer-split-tiled or tuned-N"
+        " newcomer-split-tiled, tuned-N or fused-N"
     )
 
 
@@ -230,7 +247,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
     L.seed_everything(0, verbose=False)
-    strategy, fused = strategy_for(args.run)
+    strategy, fused = strategy_for(args.run, shape.layers + 2)  # the blocks, the embedding and the head
     plain = args.run.startswith("plain")
     if args.run == "plain-liger":  # as Liger's README says: patch transformers' Qwen3 before building the model
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
@@ -260,9 +277,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     start = time.perf_counter()
-    with experiment(args.run):
+    with experiment(args.run), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
         trainer.fit(module, data)
     wall = time.perf_counter() - start
+    for warning in caught:  # shown as they would have been, and roundpipe's kept with the result
+        print(
+            warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno), file=sys.stderr
+        )
     seconds = clock.stamps[-1] - clock.stamps[0]
     timed = len(clock.stamps) - 1
     tokens_per_s = args.seqs * args.seq_len * timed / seconds
@@ -287,6 +309,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "losses": clock.losses,
         "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
         "host_gib_by_step": clock.host_gib,
+        "roundpipe_warnings": sorted({str(w.message) for w in caught if str(w.message).startswith("roundpipe:")}),
     }
     resident.stop()
     if anatomy.result is not None:
@@ -405,6 +428,7 @@ class _Remember(L.Callback):
             "worker_waits_s": engine.worker_waits,  # per batch, by what the workers' threads waited for
             "cache_lowered": engine.caches.lowered,  # plans made for less memory after allocator frees
             "cache_reverted": engine.caches.reverted,  # a smaller plan tried, not faster, undone
+            "cache_trials": engine.caches.trials,  # each trial's limits and seconds per sample (tried, before)
             "memory_limit_gib": engine.planner.memory_limit / GiB if engine.planner.memory_limit else None,
             "plan_since_batch": engine.planner.plan_since,  # the batch the running plan began with
         }

@@ -76,6 +76,8 @@ def test_a_faster_smaller_plan_is_kept_after_both_are_timed():
         assert drive(watch, planner, range(13, 19)) == [(18, "B")]  # 20% faster than A over calls 14-18
     assert "20% faster" in str(caught[0].message)
     assert (watch.lowered, watch.reverted, planner.memory_limit) == (1, False, 6.0)
+    (trial,) = watch.trials  # what a benchmark records: both plans' seconds per sample
+    assert trial["kept"] and trial["tried_s"] == pytest.approx(0.8 * trial["before_s"])
     device.freeing = False
     assert drive(watch, planner, range(19, 40)) == []
 
@@ -87,6 +89,7 @@ def test_a_smaller_plan_that_is_not_faster_is_left_and_the_watch_stops():
         assert drive(watch, planner, range(13, 19)) == []
     assert "the plan for 0.0 GiB stays" in str(caught[0].message)  # (the fake's limits are a few bytes)
     assert (watch.lowered, watch.reverted, watch.stopped, planner.memory_limit) == (0, True, True, 8.0)
+    assert [t["kept"] for t in watch.trials] == [False]
     assert drive(watch, planner, range(19, 50)) == []  # still freeing: nothing more is tried
 
 

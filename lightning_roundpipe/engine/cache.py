@@ -79,6 +79,8 @@ class CacheWatch:
         """A smaller plan was tried and was not faster than the plan before it, which stays."""
         self.stopped = False
         """Nothing more is tried in this run (a trial failed, nothing smaller fits, or the plan is fixed)."""
+        self.trials: list[dict[str, float | bool]] = []
+        """Each judged trial: the limits (GiB), both plans' seconds per sample, and whether it was kept."""
         self._trial: _Trial | None = None
         self._tried = 0
         self._last: int | None = None
@@ -166,7 +168,11 @@ class CacheWatch:
             return planner.plan_for_memory(self.store, trial.limit)
         self._trial = None
         now, before = trial.tried / 2**30, trial.limit / 2**30
-        if trial.pace <= (1 - self.gain) * pace:
+        kept = trial.pace <= (1 - self.gain) * pace
+        self.trials.append(
+            {"tried_gib": now, "before_gib": before, "tried_s": trial.pace, "before_s": pace, "kept": kept}
+        )
+        if kept:
             self.lowered += trial.steps
             warnings.warn(
                 f"{self._what()} Stages planned for {now:.1f} GiB instead of {before:.1f} GiB ran"
