@@ -292,7 +292,47 @@ def test_padded_batches_skip_transformers_device_check_for_the_causal_shortcut(m
         state = layers[0]((ids, mask, None, ids))
         for layer in layers[1:-1]:
             state = layer(state)
-        assert calls == [want] * 3
+        assert calls == [want]  # made by the first block, shared by the three
+
+
+def test_blocks_share_a_micro_batchs_attention_inputs_and_each_model_keeps_its_own(monkeypatch):
+    """The mask, positions and rotary tables are made by the first block a micro-batch meets and shared
+    by the blocks after it (made in every block they cost a sixth of a block's forward on the host);
+    another mask or positions, another length, or another model's blocks make their own."""
+    from lightning_roundpipe.models.hf import attention
+
+    made = []
+    real = attention._make_attention_inputs
+    monkeypatch.setattr(attention, "_make_attention_inputs", lambda *args: made.append(1) or real(*args))
+
+    def blocks(layers, ids, mask=None, fresh=False):
+        state = layers[0]((ids, mask, None, ids))
+        for layer in layers[1:-1]:
+            if fresh:  # every block makes its own, as before they were shared
+                attention._RECENT.made = {}
+            state = layer(state)
+        return state[0]
+
+    first = tiny("qwen3")
+    second = tiny("qwen3", seed=1)
+    second.config.rope_parameters = {**second.config.rope_parameters, "rope_theta": 10.0}
+    second.model.rotary_emb = type(second.model.rotary_emb)(second.config)  # other tables, same shapes
+    assert not torch.equal(first.model.rotary_emb.inv_freq, second.model.rotary_emb.inv_freq)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    plain = [blocks(hf.build_layers(copy.deepcopy(m)), ids, fresh=True) for m in (first, second)]
+    assert len(made) == 6 and relative_error(plain[0], plain[1]) > 1e-2
+    made.clear()
+    layers = [hf.build_layers(m) for m in (first, second)]
+    with torch.no_grad():
+        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 1
+        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 1  # the next micro-batch too
+        assert torch.equal(blocks(layers[1], ids), plain[1]) and len(made) == 2
+        blocks(layers[0], ids[:, :6])
+        assert len(made) == 3
+        mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+        for _ in range(2):  # each upload brings new tensors: made once per pass, shared by its blocks
+            blocks(layers[0], ids, mask.clone())
+        assert len(made) == 5
 
 
 def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):

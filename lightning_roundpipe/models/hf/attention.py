@@ -1,10 +1,14 @@
-"""Attention masks and rotary tables made per block, and the host-side check that lets them be skipped."""
+"""Attention masks and rotary tables, made once per micro-batch and stage and shared by its blocks, and the
+host-side check that lets masks be skipped."""
 
 from __future__ import annotations
 
 import copy as _copy
 import functools
 import inspect
+import itertools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,14 +17,53 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.models.hf.state import State
 
+AttentionInputs = tuple[Any, Tensor, tuple[Tensor, Tensor]]
+
+_RECENT = threading.local()
+"""Per thread (one worker, one device): the attention inputs made last, by model, sliding and layer type."""
+_MODELS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_SERIALS = itertools.count()
+
+
+def tables_key(rotary_emb: nn.Module) -> int:
+    """A number for the model that owns ``rotary_emb``, the same for all its blocks and never reused in
+    the process: the blocks' replicas are copies (config and rotary module included), so a block keeps
+    this number to say whose inputs it may share."""
+    if rotary_emb not in _MODELS:
+        _MODELS[rotary_emb] = next(_SERIALS)
+    return _MODELS[rotary_emb]
+
 
 def _attention_inputs(
-    config: Any, sliding: bool, rotary_emb: nn.Module, state: State, layer_type: str | None = None
-) -> tuple[Any, Tensor, tuple[Tensor, Tensor]]:
+    config: Any, sliding: bool, rotary_emb: nn.Module, state: State, layer_type: str | None, model: int
+) -> AttentionInputs:
     """The attention mask the implementation needs, the positions and the rotary tables (of ``layer_type``
-    where the rotary module keeps one per type), made per micro-batch from the 2-D padding mask and the
-    position ids that travel."""
+    where the rotary module keeps one per type) for a micro-batch, from the 2-D padding mask and the
+    position ids that travel. The blocks of a stage pass the same mask and position tensors along, so
+    the first block's inputs serve the others (``model``: :func:`tables_key`): made in every block they
+    took a sixth of the host's time in a block's forward, and at small micro-batches the host's launches
+    are what the device waits for (docs/perf-notes.md). Nothing the key leaves out changes them: the
+    rotary module is the model's one, a function of the config and the sequence length."""
     hidden, attention_mask, position_ids, _, _ = state
+    made: dict[tuple[int, bool, str | None], tuple[Any, ...]] = getattr(_RECENT, "made", None) or {}
+    _RECENT.made = made
+    key = (model, sliding, layer_type)
+    shape = (*hidden.shape[:2], hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
+    last = made.get(key)
+    # the tensors compared by identity: the stage's blocks pass the same ones along
+    if last is not None and last[0] is attention_mask and last[1] is position_ids and last[2] == shape:
+        return last[3]
+    if last is None and len(made) >= 4:  # another model or shape: the old inputs are let go
+        made.clear()
+    inputs = _make_attention_inputs(config, sliding, rotary_emb, hidden, attention_mask, position_ids, layer_type)
+    made[key] = (attention_mask, position_ids, shape, inputs)
+    return inputs
+
+
+def _make_attention_inputs(
+    config: Any, sliding: bool, rotary_emb: nn.Module, hidden: Tensor, attention_mask: Tensor | None,
+    position_ids: Tensor | None, layer_type: str | None,
+) -> AttentionInputs:  # fmt: skip
     from transformers import masking_utils
 
     make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
