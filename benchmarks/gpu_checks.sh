@@ -19,7 +19,8 @@
 #        handoff (issue 24: the idle between all-fused batches after the loss moved before the backward)
 #        kernels-off-4b-8b (issue 24: the 4B and 8B at 24 GiB without the kernels, one call)
 #        cache-watch cache-watch-8b profile-24gib plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B;
-#        the kept plan's profile; plain with Liger) host-bound (issue 24: 2, 8 and 16 micro-batches, one fused stage)
+#        the kept plan's profile; plain with Liger) host-bound host-bound-norm (issue 24: 2, 8 and 16 micro-batches,
+#        one fused stage; torch's RMSNorm) mb-24gib (4 and 8 micro-batches at 24 GiB)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -120,6 +121,16 @@ for step in "${steps[@]}"; do
       # (forward) and autograd's (backward) busy in turn; the blocks now share the attention inputs. About 250 s
       run host-bound 360 python benchmarks/lightning_user.py --configs fused-2,fused-8,fused-16 --warmup 6 --steps 4 --profile \
         --config-timeout 110 --out "$OUT/host-bound.json" ;;  # the profile: kernel seconds against the span
+    host-bound-norm)  # the same with torch's RMSNorm (--norm torch: one C++ launch each way instead of
+      # liger-kernel's Python path, a quarter of a block's host time at 16 micro-batches); newcomer first: at 2
+      # micro-batches Liger's kernel was chosen for its device time. About 230 s
+      run host-bound-norm 300 python benchmarks/lightning_user.py --configs newcomer,fused-16 --norm torch \
+        --warmup 6 --steps 4 --config-timeout 120 --out "$OUT/host-bound-norm.json" ;;
+    mb-24gib)  # issue 24's 40k at 24 GiB: more micro-batches let the fused stage hold blocks (less recompute);
+      # the planner ranks 4 micro-batches 10% slower than 2, unmeasured since kernels came (2026-12-01 without
+      # them: 4 ran 1.016x the chosen 2). gpu_memory=0.6 so the allocator does not free. About 300 s
+      run mb-24gib 380 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-gm0.6,tuned-4-gm0.6,tuned-8-gm0.6 \
+        --warmup 10 --steps 6 --config-timeout 125 --out "$OUT/mb-24gib.json" ;;
     plain-liger-profile)  # plain with Liger ran 19,278 against plain's 21,017 (2026-12-02): where its time goes
       run plain-liger-profile 300 python benchmarks/lightning_user.py --configs plain,plain-liger --profile \
         --config-timeout 140 --out "$OUT/plain-liger-profile.json" ;;

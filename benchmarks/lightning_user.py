@@ -22,7 +22,7 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
   copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
-  settings the issue measured);
+  settings the issue measured); ``tuned-N-gmF``: with ``gpu_memory=F`` too;
 - ``fused-N``: ``tuned-N`` with one fused stage of all layers (``plan="|L"``, nothing measured): at many
   micro-batches, what the host's launches cost (on the full card);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
@@ -231,12 +231,13 @@ def strategy_for(config: str, layers: int = 0) -> tuple[Any, bool]:
         return RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384), False
     if config.startswith("fused-"):  # one fused stage of every layer (no measuring): what N costs on the host
         return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1]), plan=f"|{layers}"), True
-    if config.startswith("tuned-"):
-        return RoundPipeStrategy(num_microbatches=int(config.split("-", 1)[1])), True
+    if config.startswith("tuned-"):  # tuned-N, or tuned-N-gmF with gpu_memory=F
+        count, _, share = config.removeprefix("tuned-").partition("-gm")
+        return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
         " newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
-        " newcomer-split-tiled, tuned-N or fused-N"
+        " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N"
     )
 
 
@@ -277,7 +278,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     start = time.perf_counter()
-    with experiment(args.run), warnings.catch_warnings(record=True) as caught:
+    norms = torch_norms() if args.norm == "torch" else contextlib.nullcontext()
+    with norms, experiment(args.run), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         trainer.fit(module, data)
     wall = time.perf_counter() - start
@@ -309,6 +311,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "losses": clock.losses,
         "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
         "host_gib_by_step": clock.host_gib,
+        "norm": args.norm,
         "roundpipe_warnings": sorted({str(w.message) for w in caught if str(w.message).startswith("roundpipe:")}),
     }
     resident.stop()
@@ -389,6 +392,39 @@ def experiment(config: str) -> Iterator[None]:
     yield
 
 
+def _torch_rms_norm(kernel: Any) -> Any:
+    """``--norm torch``: the norms bound by ``kernels="auto"`` run ``torch.nn.functional.rms_norm`` (one
+    launch each way from C++) instead of liger-kernel's Python path, which was a quarter of a block's host
+    time at small micro-batches (docs/perf-notes.md, 2026-12-02, sixth). The result in the input's dtype,
+    as transformers' norms return it; the rounding differs from their "llama" casting (the normalised
+    value is not rounded before the weight multiplies it)."""
+
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not hidden_states.is_cuda:
+            return type(self).forward(self, hidden_states)
+        eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-6)
+        weight = self.weight.to(hidden_states.dtype)
+        with torch.autocast("cuda", enabled=False):
+            return torch.nn.functional.rms_norm(hidden_states, hidden_states.shape[-1:], weight, eps)
+
+    forward.__roundpipe_kernel__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+@contextlib.contextmanager
+def torch_norms() -> Iterator[None]:
+    """``--norm torch`` for one run: what the strategy binds onto the norms (restored after: ``--in-process``
+    runs several configurations in one process)."""
+    from lightning_roundpipe.models.hf import kernels
+
+    bound = kernels._rms_norm
+    kernels._rms_norm = _torch_rms_norm
+    try:
+        yield
+    finally:
+        kernels._rms_norm = bound
+
+
 class _ChunkedLoss(L.Callback):
     """``newcomer-chunked``: Liger's kernels in the blocks, the chunked loss in the output stage (what the
     fused linear cross-entropy is measured against)."""
@@ -450,6 +486,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="more steps under the profiler: kernel kinds, gaps")
     parser.add_argument("--profile-steps", type=int, default=1, help="steps under the profiler (2: the gap between)")
     parser.add_argument("--config-timeout", type=float, default=0.0)
+    parser.add_argument(
+        "--norm", default="liger", choices=("liger", "torch"),
+        help="roundpipe's RMSNorm on CUDA: liger-kernel's or torch.nn.functional.rms_norm (an experiment)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
     args = parser.parse_args(argv)
