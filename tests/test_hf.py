@@ -296,17 +296,23 @@ def test_padded_batches_skip_transformers_device_check_for_the_causal_shortcut(m
 
 
 def test_blocks_share_a_micro_batchs_attention_inputs_and_each_model_keeps_its_own(monkeypatch):
-    """The mask, positions and rotary tables are made by the first block a micro-batch meets and shared
-    by the blocks after it (made in every block they cost a sixth of a block's forward on the host);
-    another mask or positions, another length, or another model's blocks make their own."""
+    """The mask, positions and rotary tables are made by the first block a micro-batch meets in a stage and
+    shared by the blocks after it (made in every block they cost a sixth of a block's forward on the
+    host). A micro-batch's pass is told by its labels, a new tensor at every upload: the next pass (also
+    while the last one's labels live on, as autograd may keep them), another length or another model make
+    their own, a rotary module changed in between is read again, and nothing is held once the passes'
+    labels are gone."""
     from lightning_roundpipe.models.hf import attention
 
     made = []
     real = attention._make_attention_inputs
     monkeypatch.setattr(attention, "_make_attention_inputs", lambda *args: made.append(1) or real(*args))
 
+    kept = []
+
     def blocks(layers, ids, mask=None, fresh=False):
-        state = layers[0]((ids, mask, None, ids))
+        kept.append(ids.clone())  # the labels as an upload brings them (new), kept alive for a while
+        state = layers[0]((ids, mask, None, kept[-1]))
         for layer in layers[1:-1]:
             if fresh:  # every block makes its own, as before they were shared
                 attention._RECENT.made = {}
@@ -320,19 +326,43 @@ def test_blocks_share_a_micro_batchs_attention_inputs_and_each_model_keeps_its_o
     assert not torch.equal(first.model.rotary_emb.inv_freq, second.model.rotary_emb.inv_freq)
     ids = torch.randint(0, VOCAB, (2, 8))
     plain = [blocks(hf.build_layers(copy.deepcopy(m)), ids, fresh=True) for m in (first, second)]
-    assert len(made) == 6 and relative_error(plain[0], plain[1]) > 1e-2
+    assert len(made) == 6
     made.clear()
     layers = [hf.build_layers(m) for m in (first, second)]
     with torch.no_grad():
-        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 1
-        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 1  # the next micro-batch too
+        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 1  # three blocks, made once
         assert torch.equal(blocks(layers[1], ids), plain[1]) and len(made) == 2
+        assert torch.equal(blocks(layers[0], ids), plain[0]) and len(made) == 3  # the next micro-batch's own
         blocks(layers[0], ids[:, :6])
-        assert len(made) == 3
-        mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
-        for _ in range(2):  # each upload brings new tensors: made once per pass, shared by its blocks
-            blocks(layers[0], ids, mask.clone())
+        blocks(layers[0], ids, torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))
         assert len(made) == 5
+        kept.clear()
+        assert not getattr(attention._RECENT, "made", {})  # let go with the passes' labels
+        first.model.rotary_emb.inv_freq.mul_(0.25)  # e.g. a schedule stretching the context, between batches
+        changed = blocks(layers[0], ids)
+    reference = copy.deepcopy(first)
+    assert torch.equal(changed, blocks(hf.build_layers(reference), ids, fresh=True))
+    assert relative_error(changed, plain[0]) > 1e-3
+
+
+def test_a_rotary_module_changed_between_batches_reaches_the_workers():
+    """A schedule that changes the rope between batches (here the frequencies, in place, as the host store's
+    views carry them to the workers): the next batch's tables are made from the new ones."""
+    model = tiny("qwen3")
+    engine = PipelineEngine(
+        hf.build_layers(model), [WorkerDevice("cpu", i) for i in range(2)], plan=StagePlan.parse("2,1|2,1,2"),
+        microbatches_per_round=3,
+    )  # fmt: skip
+    ids = torch.randint(0, VOCAB, (6, 10), generator=torch.Generator().manual_seed(0))
+    try:
+        before = engine.evaluate((ids, None, None, ids), ids, lambda out, _: out, reduction=hf.counted_tokens)
+        with torch.no_grad():
+            model.model.rotary_emb.inv_freq.mul_(0.25)
+        after = engine.evaluate((ids, None, None, ids), ids, lambda out, _: out, reduction=hf.counted_tokens)
+    finally:
+        engine.close()
+    want = copy.deepcopy(model)(input_ids=ids, labels=ids).loss
+    assert relative_error(after, want.detach()) <= 1e-5 and relative_error(before, after) > 1e-5
 
 
 def test_a_preset_of_one_argument_still_works_and_cannot_split(monkeypatch):

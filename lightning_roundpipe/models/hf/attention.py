@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy as _copy
 import functools
 import inspect
-import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,44 +19,43 @@ from lightning_roundpipe.models.hf.state import State
 AttentionInputs = tuple[Any, Tensor, tuple[Tensor, Tensor]]
 
 _RECENT = threading.local()
-"""Per thread (one worker, one device): the attention inputs made last, by model, sliding and layer type."""
-_MODELS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-_SERIALS = itertools.count()
-
-
-def tables_key(rotary_emb: nn.Module) -> int:
-    """A number for the model that owns ``rotary_emb``, the same for all its blocks and never reused in
-    the process: the blocks' replicas are copies (config and rotary module included), so a block keeps
-    this number to say whose inputs it may share."""
-    if rotary_emb not in _MODELS:
-        _MODELS[rotary_emb] = next(_SERIALS)
-    return _MODELS[rotary_emb]
+"""Per thread (one worker, one device): the attention inputs of the micro-batch passing through, by sliding
+and layer type."""
 
 
 def _attention_inputs(
-    config: Any, sliding: bool, rotary_emb: nn.Module, state: State, layer_type: str | None, model: int
+    config: Any, sliding: bool, rotary_emb: nn.Module, state: State, layer_type: str | None = None
 ) -> AttentionInputs:
     """The attention mask the implementation needs, the positions and the rotary tables (of ``layer_type``
     where the rotary module keeps one per type) for a micro-batch, from the 2-D padding mask and the
-    position ids that travel. The blocks of a stage pass the same mask and position tensors along, so
-    the first block's inputs serve the others (``model``: :func:`tables_key`): made in every block they
-    took a sixth of the host's time in a block's forward, and at small micro-batches the host's launches
-    are what the device waits for (docs/perf-notes.md). Nothing the key leaves out changes them: the
-    rotary module is the model's one, a function of the config and the sequence length."""
-    hidden, attention_mask, position_ids, _, _ = state
-    made: dict[tuple[int, bool, str | None], tuple[Any, ...]] = getattr(_RECENT, "made", None) or {}
+    position ids that travel. Made by the first block of a stage a micro-batch meets and shared by the
+    blocks after it: made in every block they took a sixth of the host's time in a block's forward, and
+    at small micro-batches the host's launches are what the device waits for (docs/perf-notes.md). The
+    micro-batch's pass is told by its labels, the same tensor through a stage's blocks and a new one at
+    every upload: the inputs are let go with it (no mask outlives the pass, and a rotary module changed
+    between batches is read again). Without labels, made per block."""
+    hidden, attention_mask, position_ids, labels, _ = state
+    if labels is None:
+        return _make_attention_inputs(config, sliding, rotary_emb, hidden, attention_mask, position_ids, layer_type)
+    made: dict[tuple[bool, str | None], tuple[Any, ...]] = getattr(_RECENT, "made", None) or {}
     _RECENT.made = made
-    key = (model, sliding, layer_type)
+    key = (sliding, layer_type)
     shape = (*hidden.shape[:2], hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
     last = made.get(key)
-    # the tensors compared by identity: the stage's blocks pass the same ones along
-    if last is not None and last[0] is attention_mask and last[1] is position_ids and last[2] == shape:
-        return last[3]
-    if last is None and len(made) >= 4:  # another model or shape: the old inputs are let go
-        made.clear()
+    # tensors compared by identity: the stage's blocks pass the same ones along
+    same = last is not None and last[0]() is labels and last[1] is attention_mask and last[2] is position_ids
+    if same and last[3] == shape:
+        return last[4]
     inputs = _make_attention_inputs(config, sliding, rotary_emb, hidden, attention_mask, position_ids, layer_type)
-    made[key] = (attention_mask, position_ids, shape, inputs)
+    entry = made[key] = (weakref.ref(labels), attention_mask, position_ids, shape, inputs)
+    weakref.finalize(labels, _let_go, made, key, entry)
     return inputs
+
+
+def _let_go(made: dict[Any, Any], key: Any, entry: tuple[Any, ...]) -> None:
+    """A micro-batch's labels are gone: so are its attention inputs, unless another pass replaced them."""
+    if made.get(key) is entry:
+        del made[key]
 
 
 def _make_attention_inputs(

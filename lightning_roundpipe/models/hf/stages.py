@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
-from lightning_roundpipe.models.hf.attention import _attention_inputs, tables_key
+from lightning_roundpipe.models.hf.attention import _attention_inputs
 from lightning_roundpipe.models.hf.families import Family, Norms
 from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
@@ -49,7 +49,6 @@ class DecoderStage(nn.Module):
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
-        self.tables = tables_key(rotary_emb)  # the blocks of one model share a micro-batch's attention inputs
         self.config = config
         self.sliding = family.sliding(config, index)
         self.layer_type = family.layer_type(config, index)
@@ -57,9 +56,7 @@ class DecoderStage(nn.Module):
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        mask, positions, rotary = _attention_inputs(
-            self.config, self.sliding, self.rotary_emb, state, self.layer_type, self.tables
-        )
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
         router = _router_of(getattr(self.layer, "mlp", None), self.router) if sums is not None else None
         with _RouterLogits(router) as logits:
             out = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
@@ -116,15 +113,12 @@ class AttentionStage(_Half):
         multiplier = family.multiplier(config, family.residual_multiplier)
         super().__init__(layer, config, family.halves[0], dropout, multiplier, tile_tokens)
         self.rotary_emb = rotary_emb
-        self.tables = tables_key(rotary_emb)  # the blocks of one model share a micro-batch's attention inputs
         self.sliding = family.sliding(config, index)
         self.layer_type = family.layer_type(config, index)
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
-        mask, positions, rotary = _attention_inputs(
-            self.config, self.sliding, self.rotary_emb, state, self.layer_type, self.tables
-        )
+        mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
         norm = getattr(self, self.before) if self.before is not None else None
         x = hidden if norm is None else tiled(norm, norm, hidden, self.tile_tokens)
         out = self.self_attn(hidden_states=x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
