@@ -53,9 +53,10 @@ def _attention_inputs(
 
 
 def _let_go(made: dict[Any, Any], key: Any, entry: tuple[Any, ...]) -> None:
-    """A micro-batch's labels are gone: so are its attention inputs, unless another pass replaced them."""
+    """A micro-batch's labels are gone: so are its attention inputs, unless another pass replaced them.
+    (Run by whichever thread drops the labels: a race with the worker costs at most one remade entry.)"""
     if made.get(key) is entry:
-        del made[key]
+        made.pop(key, None)
 
 
 def _make_attention_inputs(
