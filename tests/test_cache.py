@@ -152,9 +152,10 @@ def exact_engine_through_a_trial(pace_of_first: float, pace_of_smaller: float):
     train_and_compare(engine, net, reference, 1)  # the measuring batch
     costs = engine.planner.layer_costs
     assert costs is not None
-    first = engine.plan
-    need = max(stage_memory(costs, stage) for stage in first.stages())
-    engine.planner.memory_limit = need  # the plan just fits the planner's model
+    need = max(stage_memory(costs, stage) for stage in engine.plan.stages())
+    first = engine.planner.plan_for_memory(engine.store, need)  # the plan for a limit it just fits, as a run
+    assert first is not None  # that began under that limit would have chosen it
+    engine.planner.set_plan(first, engine.calls)
     engine.caches.clock = Clock(lambda: pace_of_first if engine.plan == first else pace_of_smaller)
     train_and_compare(engine, net, reference, 8)
     assert engine.plan == first and engine.planner.memory_limit == need  # no frees: nothing changes
