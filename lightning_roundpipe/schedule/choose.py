@@ -9,9 +9,9 @@ that objective. :func:`fastest_plan` simulates the best plan of each stage count
 few milliseconds each), also under tighter memory limits (:data:`TIGHTER`), and keeps the one with the
 shortest steady-state iteration; the objective's own plan is always among them. :func:`automatic_plan`
 is what the engine calls: ``planner="fastest"`` (the default) takes this one, ``"objective"``
-:func:`partition`'s. Measured on 2 H200s (Qwen3-1.7B shape,
-64 x 2048 tokens in 16 micro-batches): the fastest plan ``17|13,17`` ran 49.5k tokens/s, the
-objective's ``23|7,11,12`` 45.0k (means of the last 10 of 20 steps).
+:func:`partition`'s. Measured on 2 H200s (Qwen3-1.7B shape, 64 x 2048 tokens in 16 micro-batches): the
+fastest plan ``17|13,17`` ran 49.5k tokens/s, the objective's ``23|7,11,12`` 45.0k (means of the last
+10 of 20 steps).
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ def _attention_inputs(
     hidden, attention_mask, position_ids, labels, _ = state
     if labels is None:
         return _make_attention_inputs(config, sliding, rotary_emb, hidden, attention_mask, position_ids, layer_type)
-    made: dict[tuple[bool, str | None], tuple[Any, ...]] = getattr(_RECENT, "made", None) or {}
-    _RECENT.made = made
+    made: dict[tuple[bool, str | None], tuple[Any, ...]] | None = getattr(_RECENT, "made", None)
+    if made is None:
+        made = _RECENT.made = {}
     key = (sliding, layer_type)
     shape = (*hidden.shape[:2], hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
     last = made.get(key)
