@@ -128,7 +128,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     add_in_process_flag(p)
     args = p.parse_args()
-    results = run_or_drive(__file__, args, run_one)
+    command = sys.argv[1:]
+    results = run_or_drive(__file__, args, run_one, lambda done: write(args.out, command, __file__, done))
     if results is None:  # this process measured one configuration
         return
     by = {r["config"]: r for r in results if "error" not in r}
@@ -141,7 +142,7 @@ def main() -> None:
     if "preset" in by and "preset-padded" in by:
         by["preset-padded"]["ratio_to_preset"] = by["preset-padded"]["tokens_per_s"] / by["preset"]["tokens_per_s"]
         print(f"preset-padded / preset: {by['preset-padded']['ratio_to_preset']:.3f}")
-    write(args.out, sys.argv[1:], __file__, results)
+    write(args.out, command, __file__, results)
 
 
 if __name__ == "__main__":

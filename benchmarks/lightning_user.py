@@ -493,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
     args = parser.parse_args(argv)
-    results = run_or_drive(__file__, args, run_one)
+    command = sys.argv[1:] if argv is None else argv
+    results = run_or_drive(__file__, args, run_one, lambda done: write(args.out, command, __file__, done))
     if results is None:
         return
     plain = next((r for r in results if r.get("config") == "plain" and "tokens_per_s" in r), None)
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         if r.get("worker_waits_s"):
             waits = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["worker_waits_s"].items(), key=lambda kv: -kv[1]))
             print(f"{r['config']}: seconds per batch the workers waited: {waits}")
-    write(args.out, sys.argv[1:] if argv is None else argv, __file__, results)
+    write(args.out, command, __file__, results)
 
 
 if __name__ == "__main__":

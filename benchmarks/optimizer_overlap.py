@@ -124,7 +124,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     add_in_process_flag(p)
     args = p.parse_args()
-    results = run_or_drive(__file__, args, run_one)
+    command = sys.argv[1:]
+    results = run_or_drive(__file__, args, run_one, lambda done: write(args.out, command, __file__, done))
     if results is None:  # this process measured one configuration
         return
     by = {r["config"]: r for r in results if "error" not in r}
@@ -139,7 +140,7 @@ def main() -> None:
         if other in by and "async" in by:
             by[other][f"{other}_over_async"] = by[other]["step_s"] / by["async"]["step_s"]
             print(f"{other} / async: {by[other][f'{other}_over_async']:.3f}")
-    write(args.out, sys.argv[1:], __file__, results)
+    write(args.out, command, __file__, results)
 
 
 if __name__ == "__main__":

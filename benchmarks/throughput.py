@@ -439,7 +439,8 @@ def main() -> None:
     add_in_process_flag(p)
     args = p.parse_args()
 
-    results = run_or_drive(__file__, args, run_one)
+    command = sys.argv[1:]
+    results = run_or_drive(__file__, args, run_one, lambda done: write(args.out, command, __file__, done))
     if results is None:  # this process measured one configuration
         return
     for r in results:
@@ -492,7 +493,7 @@ def main() -> None:
             f" {r['peak_gpu_gib']:8.2f} {mem:9.3f} {r.get('h2d_gb_s', 0):8.1f} {r.get('d2h_gb_s', 0):8.1f}"
             f" {r.get('host_bytes_per_param', r.get('store_bytes_per_param', 0)):8.1f}"
         )
-    write(args.out, sys.argv[1:], __file__, results)
+    write(args.out, command, __file__, results)
 
 
 if __name__ == "__main__":

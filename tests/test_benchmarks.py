@@ -100,9 +100,11 @@ def test_a_configuration_that_hangs_is_recorded_and_the_next_still_runs(tmp_path
         "if config == 'hangs':\n    time.sleep(60)\n"
         "print('RESULT ' + json.dumps({'tokens_per_s': 1.0}), flush=True)\n"
     )
-    hung, fine = run_configs(str(script), ["hangs", "fine"], {}, timeout=3)
+    seen = []  # what a caller writes after each config: a device call cut short keeps what finished
+    hung, fine = run_configs(str(script), ["hangs", "fine"], {}, timeout=3, on_result=lambda r: seen.append(list(r)))
     assert hung["config"] == "hangs" and "timed out after 3 s" in hung["error"]
     assert fine["config"] == "fine" and fine["tokens_per_s"] == 1.0
+    assert seen == [[hung], [hung, fine]]
 
 
 @pytest.mark.timeout(60)
