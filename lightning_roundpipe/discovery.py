@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_roundpipe.models import compiled
+from lightning_roundpipe.models.compiled import compile_options
 from lightning_roundpipe.options import RoundPipeOptions
 
 
@@ -23,9 +25,20 @@ class Pipelined:
     """Otherwise the ``nn.Sequential`` that ``pipeline_loss`` is called on."""
     kernels: list[str] = field(default_factory=list)
     """The faster kernels bound onto the model's modules (``RoundPipeStrategy(kernels=...)``)."""
+    compiled: list[str] = field(default_factory=list)
+    """The modules whose ``forward`` was compiled (``RoundPipeStrategy(compile=...)``)."""
 
 
 def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
+    """:func:`discover`, then the layers' bodies compiled where ``options.compile`` asks for it."""
+    pipelined = discover(module, options, cuda)
+    if (kwargs := compile_options(options.compile)) is not None:
+        pipelined.compiled = compiled.apply(pipelined.layers, kwargs)
+        rank_zero_info(f"roundpipe: torch.compile on the layers' bodies: {', '.join(pipelined.compiled) or 'none'}")
+    return pipelined
+
+
+def discover(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
     """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach; a
     Hugging Face model's with the faster kernels ``options.kernels`` asks for on CUDA workers (``cuda``)."""
     hf_model = find_hf_model(module)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_roundpipe.engine import double_buffering
+from lightning_roundpipe.models.compiled import compile_options
 from lightning_roundpipe.schedule.choose import PLANNERS
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
@@ -97,6 +99,13 @@ class RoundPipeOptions:
     are CUDA devices (``pip install "lightning-roundpipe[gpu]"``); ``"liger"`` requires them (a clear
     error otherwise); ``"none"`` runs transformers' own modules and the chunked loss. Only this model's
     modules are changed, never the classes: other models in the process keep their code."""
+    compile: bool | dict[str, Any] = False
+    """Regional compilation: each pipelined layer's body runs through ``torch.compile`` (a Hugging Face
+    model's decoder blocks, or the attention and MLP of split ones; each layer of an ``nn.Sequential``),
+    compiled once per class and shared by all blocks and workers. ``True`` uses torch.compile's defaults,
+    a dict passes its keyword arguments (``{"mode": "max-autotune-no-cudagraphs"}``). It takes the host's
+    launch work off many small micro-batches; the first batches pay the compile, which the layer
+    measurement leaves out. Off by default until measured on a GPU (docs/tuning.md)."""
     evaluate_hf_in_pipeline: bool = True
     """``self.model(**batch)`` of a Hugging Face model in ``validation_step`` / ``test_step`` with labels
     runs forward-only through the pipeline and returns the loss only (``logits`` is ``None``: never
@@ -122,6 +131,7 @@ class RoundPipeOptions:
             )
         if self.kernels not in KERNELS:
             raise ValueError(f"RoundPipeStrategy(kernels={self.kernels!r}) must be one of {KERNELS}")
+        compile_options(self.compile)
         self.gpu_memory = parse_memory(self.gpu_memory)
         given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)
         if self.double_buffer != "none" and not self.async_optimizer:

@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_roundpipe import api
 from lightning_roundpipe.discovery import Pipelined
 from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.models import compiled
 from lightning_roundpipe.nodes import Nodes
 from lightning_roundpipe.runtime.microbatch import Reduction
 
@@ -80,6 +81,8 @@ class PipelineCalls:
             from lightning_roundpipe.models import hf
 
             hf.kernels.remove(hf.unwrap(self.pipelined.hf_model))
+        if self.pipelined.compiled:
+            compiled.remove(self.pipelined.layers)
         if self.pipelined.sequential is not None:
             api.unregister_runner(self.pipelined.sequential)
 

@@ -53,8 +53,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         plan: ``"auto"`` (measure the layers, then partition), a ``StagePlan`` or ``"3,3|1,2,2,2"``.
         profile_steps: batches that measure the layers before the automatic plan is made.
         planner: ``"fastest"`` (simulated) or ``"objective"`` (the paper's objective).
-        check_every: batches between checks of the stage times under ``plan="auto"`` (0: never).
-        replan_margin: how far stage times may drift, relative to the slowest, before re-measuring.
+        check_every, replan_margin: batches between checks of the stage times (0: never); how far they may drift.
         overlap: weight and gradient copies: ``"priority"``, ``"simple"`` or ``"none"``.
         gpu_memory: what a plan may use per device: a fraction (``0.8``), bytes or ``"24GiB"``.
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
@@ -63,10 +62,10 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         split_decoder_layers: a Hugging Face model's blocks become attention and MLP layers.
         tile_tokens: with ``split_decoder_layers``, run token-wise parts over this many tokens at a time.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
+        compile: each pipelined layer's body through ``torch.compile``: ``True``, or its keyword arguments.
         evaluate_hf_in_pipeline: a Hugging Face model's validation/test loss goes through the pipeline.
         timeout: with ``num_nodes > 1``, how long a collective waits for the other nodes.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any Lightning strategy;
-            normally filled in by the Trainer from ``accelerator=``, ``devices=`` and ``precision=``.
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any strategy (the Trainer's).
     """
 
     strategy_name = "roundpipe"
@@ -88,6 +87,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
         kernels: str = "auto",
+        compile: bool | dict[str, Any] = False,
         evaluate_hf_in_pipeline: bool = True,
         timeout: timedelta | float = default_pg_timeout,
         accelerator: Any = None,
@@ -100,7 +100,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             planner=planner, check_every=check_every, replan_margin=replan_margin, overlap=overlap,
             gpu_memory=gpu_memory, async_optimizer=async_optimizer, double_buffer=double_buffer,
             host_memory_check=host_memory_check, split_decoder_layers=split_decoder_layers, tile_tokens=tile_tokens,
-            kernels=kernels, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline, timeout=timeout,
+            kernels=kernels, compile=compile, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline, timeout=timeout,
         )  # fmt: skip
         super().__init__(
             self.options.timeout, accelerator=accelerator, parallel_devices=parallel_devices,

@@ -21,6 +21,7 @@ import warnings
 from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
+from lightning_roundpipe.runtime.compiles import compilations
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
@@ -110,6 +111,7 @@ class AutoPlanner:
         self._warned_measuring = False
         self._warned_lowered = False
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
+        self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
         self.sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
         self.transfers = TransferRate()
@@ -175,6 +177,9 @@ class AutoPlanner:
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
         self.transfers.measure(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
+            if compilations() != flight.compilations and self._compiled_batches < self.profile_steps:
+                self._compiled_batches += 1  # its times hold a compile: another batch measures instead
+                return None
             self.profile.add(flight)
             self.batch_samples = max(self.batch_samples, flight.samples)
             self.sample_elements = max(self.sample_elements, flight.sample_elements)
@@ -277,16 +282,12 @@ class AutoPlanner:
     # ------------------------------------------------------------------ drift
     def _is_check(self, flight: Flight) -> bool:
         """A batch recorded for the drift check (every ``check_every``, not a monitor's), on the plan."""
+        schedule = flight.schedule
         return (
-            self.layer_costs is not None
-            and self.auto
-            and self.check_every > 0
-            and flight.call % self.check_every == 0
-            and flight.call >= self.plan_since
-            and flight.schedule.plan == self.plan
-            and flight.schedule.microbatches_per_round == self.microbatches_per_round
-            and flight.schedule.num_rounds == self.num_rounds
-        )
+            self.layer_costs is not None and self.auto and self.check_every > 0
+            and flight.call % self.check_every == 0 and flight.call >= self.plan_since and schedule.plan == self.plan
+            and (schedule.microbatches_per_round, schedule.num_rounds) == (self.microbatches_per_round, self.num_rounds)
+        )  # fmt: skip
 
     def _check_drift(self, times: dict[int, list[float]], call: int) -> None:
         """Stage times against the plan's own first timing, not the sums of per-layer costs (a stage runs

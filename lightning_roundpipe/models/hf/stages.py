@@ -39,6 +39,10 @@ class InputStage(nn.Module):
             sums = (zeros, zeros.clone(), torch.zeros((), dtype=torch.float32, device=hidden.device))
         return hidden, attention_mask, position_ids, labels, sums
 
+    def compile_targets(self) -> tuple[nn.Module, ...]:
+        """Nothing of the embedding is compiled (``RoundPipeStrategy(compile=...)``): one lookup."""
+        return ()
+
 
 class DecoderStage(nn.Module):
     """One decoder block with its attention mask and rotary tables (made by a stage's first block for each
@@ -53,6 +57,11 @@ class DecoderStage(nn.Module):
         self.sliding = family.sliding(config, index)
         self.layer_type = family.layer_type(config, index)
         self.router = family.router
+
+    def compile_targets(self) -> tuple[nn.Module, ...]:
+        """The block is compiled; the attention inputs stay eager (they are shared between blocks), and a
+        mixture-of-experts block stays eager (its router logits are taken by a hook)."""
+        return () if self.router else (self.layer,)
 
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
@@ -116,6 +125,9 @@ class AttentionStage(_Half):
         self.sliding = family.sliding(config, index)
         self.layer_type = family.layer_type(config, index)
 
+    def compile_targets(self) -> tuple[nn.Module, ...]:
+        return (self.self_attn,)
+
     def forward(self, state: State) -> State:
         hidden, attention_mask, position_ids, labels, sums = state
         mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
@@ -135,6 +147,9 @@ class MlpStage(_Half):
         multiplier = family.multiplier(config, family.residual_multiplier)
         super().__init__(layer, config, family.halves[1], dropout, multiplier, tile_tokens)
         self.router = family.router
+
+    def compile_targets(self) -> tuple[nn.Module, ...]:
+        return () if self.router else (self.mlp,)
 
     def _norm_mlp(self, hidden: Tensor) -> Tensor:
         out = self.mlp(self._norm(self.before, hidden))
@@ -179,6 +194,10 @@ class OutputStage(nn.Module):
         """The logits become ``softcap * tanh(logits / softcap)`` (Gemma's final soft cap)."""
         self.fused_loss = False
         """Liger's fused linear cross-entropy on CUDA tensors (:mod:`.kernels`), instead of the chunked loss."""
+
+    def compile_targets(self) -> tuple[nn.Module, ...]:
+        """The head's loss runs its own chunked or fused kernels: nothing here is compiled."""
+        return ()
 
     def forward(self, state: State) -> Tensor:
         hidden, _, _, labels, sums = state

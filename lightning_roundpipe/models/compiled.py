@@ -1,0 +1,94 @@
+"""Regional compilation (``RoundPipeStrategy(compile=...)``): each pipelined layer's body compiled with
+``torch.compile``, the code shared by every block and every worker.
+
+Many small micro-batches are bound by the host: eager PyTorch issues each block's kernels one Python
+call at a time (docs/tuning.md). A compiled block issues fewer, fused kernels from generated code.
+
+What is compiled is a layer's ``compile_targets()`` where it has them (a Hugging Face decoder stage
+names its block, a split stage its attention or MLP; the embedding and the head name none), otherwise
+the layer itself. Each target gets an instance ``forward``: the class's ``forward`` compiled once per
+class and bound to the module, so the workers' replicas (deep copies) keep it, bound to themselves, and
+all blocks of a class share one compiled code and its guards (weights are inputs to it, not constants:
+a slot's tensors change every stage). The classes stay as they are, and :func:`remove` takes the
+instance attributes off again. A module that already carries an instance ``forward`` (patched by its
+user) is left as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+_MARK = "__roundpipe_compiled__"
+
+
+def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off);
+    a clear error for anything ``torch.compile`` would not take."""
+    if choice is False:
+        return None
+    if choice is True:
+        return {}
+    if not isinstance(choice, dict):
+        raise ValueError(
+            f"RoundPipeStrategy(compile={choice!r}) must be True, False or a dict of torch.compile's keyword"
+            ' arguments, e.g. {"mode": "max-autotune-no-cudagraphs"}'
+        )
+    allowed = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(choice) - allowed)
+    if unknown:
+        raise ValueError(
+            f"RoundPipeStrategy(compile=...) got {unknown}, which torch.compile does not take; it takes"
+            f" {sorted(allowed)}"
+        )
+    return dict(choice)
+
+
+def targets(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` whose ``forward`` is compiled."""
+    named = getattr(layer, "compile_targets", None)
+    return list(named()) if callable(named) else [layer]
+
+
+def apply(layers: Iterable[nn.Module], options: dict[str, Any]) -> list[str]:
+    """Bind each target's class ``forward``, compiled with ``options``, onto it; returns what was
+    compiled, as ``"Qwen3DecoderLayer x28"``-style counts."""
+    compiled: dict[type, Any] = {}
+    counts: dict[str, int] = {}
+    for layer in layers:
+        for module in targets(layer):
+            if "forward" in module.__dict__:
+                continue
+            cls = type(module)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(_own_code(cls), **options)
+                setattr(compiled[cls], _MARK, True)
+            module.forward = types.MethodType(compiled[cls], module)
+            counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
+    return [f"{name} x{n}" for name, n in sorted(counts.items())]
+
+
+def _own_code(cls: type) -> Any:
+    """``cls.forward`` called from a function whose code object is this class's own. torch.compile keeps
+    its compiled variants per code object, and wraps torch's own modules' ``forward`` in one shared
+    function: without this, every class would share one cache and its limit of variants."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return cls.forward(self, *args, **kwargs)
+
+    forward.__code__ = forward.__code__.replace(co_name=f"{cls.__name__}_forward")
+    forward.__name__ = forward.__qualname__ = f"{cls.__name__}_forward"
+    return forward
+
+
+def remove(layers: Iterable[nn.Module]) -> None:
+    """Take the compiled ``forward`` off again (the class's own shows through)."""
+    for layer in layers:
+        for module in targets(layer):
+            if getattr(module.__dict__.get("forward"), _MARK, False):
+                del module.forward

@@ -1,0 +1,203 @@
+"""Regional compilation (``RoundPipeStrategy(compile=...)``): compiled blocks train as the model does, share
+one compiled code across blocks, workers and sequence lengths, come off at teardown, and the batches that
+compiled are not taken as measurements. CPU tests compile with ``aot_eager`` (no code generation: fast,
+and the eager kernels' numbers); the GPU tests with the default backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import BoringPipeline, fit, flat_weights, relative_error
+from torch import nn
+
+from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.models import compiled
+from lightning_roundpipe.runtime import WorkerDevice
+
+transformers = pytest.importorskip("transformers")
+from lightning_roundpipe.models import hf  # noqa: E402
+
+EAGER = {"backend": "aot_eager"}
+
+
+class Counting:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> object:
+        self.graphs += 1
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+
+
+def qwen3(layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def train(layers: list[nn.Module], lengths: list[int], workers: int = 2, **kwargs) -> tuple[list[float], object]:
+    """Losses of one batch per sequence length through an engine of CPU workers, and the engine's planner."""
+    engine = PipelineEngine(
+        layers, [WorkerDevice("cpu", i) for i in range(workers)], microbatches_per_round=2, **kwargs
+    )
+    losses = []
+    try:
+        for s, length in enumerate(lengths):
+            ids = torch.randint(0, 101, (4, length), generator=torch.Generator().manual_seed(s))
+            losses.append(engine.train_batch((ids, None, None, ids), ids, lambda out, _: out, hf.counted_tokens).item())
+            engine.store.clear_grads()
+        return losses, engine.planner
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("split", [False, True])
+def test_compiled_blocks_train_to_the_weights_of_plain_lightning(split):
+    from test_hf import fit_hf
+
+    plain = fit_hf("auto", 1)
+    counting = Counting()
+    strategy = RoundPipeStrategy(
+        num_microbatches=3, async_optimizer=False, compile={"backend": counting}, split_decoder_layers=split
+    )
+    ours = fit_hf(strategy, 2)
+    assert counting.graphs >= 1  # the blocks did run compiled
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    assert strategy.engine is None and not any("forward" in m.__dict__ for m in ours.modules())  # taken off
+
+
+@pytest.mark.timeout(240)
+def test_one_compiled_code_serves_every_block_worker_and_sequence_length():
+    counting = Counting()
+    few, many = hf.build_layers(qwen3(2)), hf.build_layers(qwen3(6))
+    assert compiled.apply(many, {"backend": counting}) == ["Qwen3DecoderLayer x6"]
+    train(many, [8, 8], plan="|8")  # one fused stage: the block's graph with autograd, once
+    first = counting.graphs
+    train(many, [10, 12, 14, 16], plan="3,3|2,3,3")  # forward stages (no autograd); lengths go dynamic
+    assert 1 <= first <= 2 and counting.graphs <= first + 3
+    settled = counting.graphs
+    train(many, [11, 13, 15, 9, 20], plan="3,3|2,3,3")
+    assert counting.graphs == settled  # no new length compiles again
+
+    counting_few = Counting()
+    compiled.apply(few, {"backend": counting_few})
+    train(few, [8, 8], plan="|4")
+    assert counting_few.graphs == first  # as many graphs for 2 blocks as for 6
+
+
+@pytest.mark.timeout(240)
+def test_compiled_blocks_equal_eager_ones_through_the_engine():
+    eager, model = qwen3(), qwen3()
+    layers = hf.build_layers(model)
+    counting = Counting()
+    compiled.apply(layers, {"backend": counting})
+    lengths = [9, 9, 12, 12]
+    want, _ = train(hf.build_layers(eager), lengths, plan="2|3,2", seed=3)
+    got, _ = train(layers, lengths, plan="2|3,2", seed=3)
+    assert counting.graphs >= 2 and got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_measuring_batches_during_which_something_compiled_are_not_used(monkeypatch):
+    layers = hf.build_layers(qwen3(2))
+    compiled.apply(layers, {"backend": Counting()})
+    _, planner = train(layers, [8] * 6, plan="auto", profile_steps=2)
+    assert planner.measuring is False and 1 <= planner._compiled_batches <= 2
+    assert planner.fitted is not None and planner.fitted.batches == 2
+
+    from lightning_roundpipe.engine import planner as planner_module
+
+    ticks = iter(range(10**6))  # a compile during every batch: measuring still ends, twice as late at most
+    monkeypatch.setattr(planner_module, "compilations", lambda: next(ticks))
+    monkeypatch.setattr("lightning_roundpipe.runtime.flight.compilations", lambda: next(ticks))
+    _, planner = train(hf.build_layers(qwen3(2)), [8] * 5, plan="auto", profile_steps=2)
+    assert planner.measuring is False and planner._compiled_batches == 2
+
+
+def test_a_user_patched_forward_is_left_alone_and_remove_restores_the_class_code():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    own = lambda x: x  # noqa: E731
+    net[1].forward = own
+    assert compiled.apply(list(net), EAGER) == ["Linear x2"]
+    assert net[1].forward is own and "forward" in net[0].__dict__
+    copied = copy.deepcopy(net[0])  # a worker's replica: compiled, and bound to the copy
+    assert copied.forward.__self__ is copied
+    compiled.remove(list(net))
+    assert "forward" not in net[0].__dict__ and net[1].forward is own
+
+
+@pytest.mark.parametrize(
+    ("value", "match"), [("yes", "must be True, False or a dict"), ({"mdoe": "default"}, r"\['mdoe'\].*'mode'")]
+)
+def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, match):
+    with pytest.raises(ValueError, match=match):
+        RoundPipeStrategy(compile=value)
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_sequential_trains_like_plain_lightning():
+    plain = fit(BoringPipeline, dict(accelerator="cpu", devices=1))
+    counting = Counting()
+    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=False, compile={"backend": counting})
+    ours = fit(BoringPipeline, dict(strategy=strategy, accelerator="cpu", devices=2))
+    assert counting.graphs >= 3  # Linear, Tanh and GELU, each its own code
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    assert not any("forward" in m.__dict__ for m in ours.model)
+
+
+# ---------------------------------------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kernels", [False, True])
+def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(kernels):
+    """The default backend (Inductor's generated kernels), with and without Liger's kernels in the blocks:
+    the pipelined bf16 loss and gradients equal the plain model's to bf16 rounding, the blocks issue no
+    host sync, and every block shares one compiled code."""
+    from test_gpu import _blocks_run_without_host_syncs
+
+    from lightning_roundpipe.runtime.device import CudaWorkerDevice
+
+    if kernels:
+        pytest.importorskip("liger_kernel")
+    model = qwen3(4)
+    reference = copy.deepcopy(model).cuda()
+    layers = hf.build_layers(model)
+    if kernels:
+        hf.kernels.apply_liger(model, layers)
+    assert compiled.apply(layers, {}) == ["Qwen3DecoderLayer x4"]
+    engine = PipelineEngine(layers, [CudaWorkerDevice("cuda:0", 0)], plan="auto", profile_steps=1, seed=0,
+                            compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)  # fmt: skip
+    ids = torch.randint(0, 101, (4, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(4):  # measuring (after the compiling batch), then the plan
+            loss = engine.train_batch((ids, None, None, ids), ids, lambda out, _: out, hf.counted_tokens)
+            engine.store.install_grads()
+            got = torch.cat([p.grad.flatten() for p in model.parameters()])
+            engine.store.clear_grads()
+        assert engine.planner.fitted is not None and engine.planner._compiled_batches >= 1
+    finally:
+        engine.close()
+    with torch.autocast("cuda", torch.bfloat16):
+        out = reference(input_ids=ids.cuda(), labels=ids.cuda())
+    out.loss.backward()
+    want = torch.cat([p.grad.float().flatten() for p in reference.parameters()]).cpu()
+    assert abs(loss.item() - out.loss.item()) <= 2e-2 * abs(out.loss.item())
+    assert relative_error(got, want) <= 3e-2
+    cuda_layers = [layer.cuda() for layer in layers]
+    with torch.autocast("cuda", torch.bfloat16):
+        _blocks_run_without_host_syncs(cuda_layers, (ids.cuda(), None, None, ids.cuda()))
+    compiled.remove(layers)
+    if kernels:
+        hf.kernels.remove(model)
