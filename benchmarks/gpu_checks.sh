@@ -21,6 +21,7 @@
 #        cache-watch cache-watch-8b profile-24gib plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B;
 #        the kept plan's profile; plain with Liger) host-bound host-bound-norm (issue 24: 2, 8 and 16 micro-batches,
 #        one fused stage; torch's RMSNorm) mb-24gib (4 and 8 micro-batches at 24 GiB)
+#        compile compile-24gib (issue 24: regional torch.compile of the blocks, full card and 24 GiB)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -43,7 +44,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests soak bubble)
 for step in "${steps[@]}"; do
   case $step in
-    tests) run gpu-tests 240 python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py ;;
+    tests) run gpu-tests 420 python -m pytest -q -s -p no:cacheprovider -m gpu tests/ ;;  # test_compile: Inductor compiles
     soak) run soak 420 python benchmarks/soak.py --out "$OUT/soak.json" ;;
     bubble) run bubble 150 python benchmarks/bubble_check.py --steps 20 --out "$OUT/bubble.json" ;;
     bubble-planners)  # several GPUs: the automatic plan of each planner (measured 2026-11-30 on 2: about 80 s each)
@@ -131,6 +132,17 @@ for step in "${steps[@]}"; do
       # them: 4 ran 1.016x the chosen 2). gpu_memory=0.6 so the allocator does not free. About 300 s
       run mb-24gib 380 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-gm0.6,tuned-4-gm0.6,tuned-8-gm0.6 \
         --warmup 10 --steps 6 --config-timeout 125 --out "$OUT/mb-24gib.json" ;;
+    compile)  # issue 24: compile=True (each block through torch.compile) against eager blocks, one fused stage,
+      # full card. Predicted: fused-16-compile well above fused-16 (24.1k on 2026-12-02: host-bound, about 5 ms
+      # per block and micro-batch), toward fused-2's 49k; fused-2-compile within 5% of fused-2 (device-bound
+      # there, Liger's kernels against Inductor's). Warmup 8: the first batches compile. About 420 s
+      run compile 560 python benchmarks/lightning_user.py --configs fused-16,fused-16-compile,fused-2-compile,fused-2 \
+        --warmup 8 --steps 4 --config-timeout 150 --out "$OUT/compile.json" ;;
+    compile-24gib)  # the same at 24 GiB through the planner: with the host's launches gone, 8 micro-batches
+      # may let the fused stage hold more blocks (the route to 40k). About 450 s
+      run compile-24gib 560 python benchmarks/lightning_user.py --gpu-gib 24 \
+        --configs newcomer-gm0.6-compile,tuned-8-gm0.6-compile,newcomer-gm0.6 --warmup 10 --steps 6 \
+        --config-timeout 180 --out "$OUT/compile-24gib.json" ;;
     plain-liger-profile)  # plain with Liger ran 19,278 against plain's 21,017 (2026-12-02): where its time goes
       run plain-liger-profile 300 python benchmarks/lightning_user.py --configs plain,plain-liger --profile \
         --config-timeout 140 --out "$OUT/plain-liger-profile.json" ;;

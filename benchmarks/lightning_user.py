@@ -25,6 +25,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   settings the issue measured); ``tuned-N-gmF``: with ``gpu_memory=F`` too;
 - ``fused-N``: ``tuned-N`` with one fused stage of all layers (``plan="|L"``, nothing measured): at many
   micro-batches, what the host's launches cost (on the full card);
+- ``CONFIG-compile`` (e.g. ``newcomer-compile``, ``fused-16-compile``): ``CONFIG`` with
+  ``RoundPipeStrategy(compile=True)``, each block's body through ``torch.compile`` (``--compile-backend``);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
   nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
 
@@ -211,8 +213,14 @@ class Clock(L.Callback):
                 self.allocator_calls.append((stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)))
 
 
-def strategy_for(config: str, layers: int = 0) -> tuple[Any, bool]:
-    """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one."""
+def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, Any] = True) -> tuple[Any, bool]:
+    """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one;
+    ``CONFIG-compile``: ``CONFIG`` with ``compile=compile_with`` (regional ``torch.compile``)."""
+    if config.endswith("-compile"):
+        strategy, fused = strategy_for(config.removesuffix("-compile"), layers)
+        strategy = RoundPipeStrategy() if strategy == "roundpipe" else strategy
+        strategy.options.compile = compile_with  # read when the strategy finds the layers, at setup
+        return strategy, fused
     if config in ("plain", "plain-liger"):
         return "auto", True
     if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn"):
@@ -248,7 +256,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
     L.seed_everything(0, verbose=False)
-    strategy, fused = strategy_for(args.run, shape.layers + 2)  # the blocks, the embedding and the head
+    compile_with = {"backend": args.compile_backend} if args.compile_backend else True
+    strategy, fused = strategy_for(args.run, shape.layers + 2, compile_with)  # the blocks, embedding and head
     plain = args.run.startswith("plain")
     if args.run == "plain-liger":  # as Liger's README says: patch transformers' Qwen3 before building the model
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
@@ -490,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         "--norm", default="liger", choices=("liger", "torch"),
         help="roundpipe's RMSNorm on CUDA: liger-kernel's or torch.nn.functional.rms_norm (an experiment)",
     )  # fmt: skip
+    parser.add_argument("--compile-backend", default="", help="CONFIG-compile: torch.compile's backend (its default)")
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
     args = parser.parse_args(argv)
