@@ -177,8 +177,8 @@ class AutoPlanner:
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
         self.transfers.measure(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
-            if compilations() != flight.compilations and self._compiled_batches < self.profile_steps:
-                self._compiled_batches += 1  # its times hold a compile: another batch measures instead
+            if compilations() != flight.compilations and self._compiled_batches < max(2, self.profile_steps):
+                self._compiled_batches += 1  # its times hold a compile (a first, or a first dynamic size)
                 return None
             self.profile.add(flight)
             self.batch_samples = max(self.batch_samples, flight.samples)

@@ -9,7 +9,8 @@ names its block, a split stage its attention or MLP; the embedding and the head 
 the layer itself. Each target gets an instance ``forward``: the class's ``forward`` compiled once per
 class and bound to the module, so the workers' replicas (deep copies) keep it, bound to themselves, and
 all blocks of a class share one compiled code and its guards (weights are inputs to it, not constants:
-a slot's tensors change every stage). The classes stay as they are, and :func:`remove` takes the
+a slot's tensors change every stage). Only replicas run it compiled; the host's own modules keep
+running the class's code. The classes stay as they are, and :func:`remove` takes the
 instance attributes off again. A module that already carries an instance ``forward`` (patched by its
 user) is left as it is.
 """
@@ -66,11 +67,24 @@ def apply(layers: Iterable[nn.Module], options: dict[str, Any]) -> list[str]:
                 continue
             cls = type(module)
             if cls not in compiled:
-                compiled[cls] = torch.compile(_own_code(cls), **options)
-                setattr(compiled[cls], _MARK, True)
+                compiled[cls] = _on_workers(cls, torch.compile(_own_code(cls), **options))
             module.forward = types.MethodType(compiled[cls], module)
             counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())]
+
+
+def _on_workers(cls: type, compiled: Any) -> Any:
+    """``compiled`` where the module is a worker's replica (``_roundpipe_replica``, set by the runtime when
+    it copies a layer), the class's own code elsewhere: the host's model, run by the user outside the
+    pipeline (or for logits in validation), is not compiled for the host's CPU on the way."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get("_roundpipe_replica"):
+            return compiled(self, *args, **kwargs)
+        return cls.forward(self, *args, **kwargs)
+
+    setattr(forward, _MARK, True)
+    return forward
 
 
 def _own_code(cls: type) -> Any:

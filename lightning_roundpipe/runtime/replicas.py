@@ -26,7 +26,10 @@ def weightless_replica(layer: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in layer.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(layer, memo)
+    replica = copy.deepcopy(layer, memo)
+    for module in replica.modules():  # what a compiled forward (``compile=...``) runs compiled on
+        module._roundpipe_replica = True
+    return replica
 
 
 def plain_attributes(layers: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
