@@ -199,9 +199,11 @@ def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(ke
     assert abs(loss.item() - out.loss.item()) <= 2e-2 * abs(out.loss.item())
     assert relative_error(got, want) <= 3e-2
     cuda_layers, batch = [layer.cuda() for layer in layers], (ids.cuda(), None, None, ids.cuda())
+    for module in model.modules():
+        module._roundpipe_replica = True  # run compiled, as the workers' replicas do
     with torch.autocast("cuda", torch.bfloat16):
         out = cuda_layers[0](batch)
-        for layer in cuda_layers[1:-1]:  # the host's own weights are another variant: compiled before the check
+        for layer in cuda_layers[1:-1]:  # parameters, not a slot's tensors: another variant, compiled before the check
             out = layer((out[0].detach().requires_grad_(), *out[1:]) if layer is cuda_layers[1] else out)
         out[0].float().square().mean().backward()
         _blocks_run_without_host_syncs(cuda_layers, batch)
