@@ -68,6 +68,7 @@ from _driver import add_in_process_flag, run_or_drive, write
 from qwen3_shape import SHAPES, Shape, flops_per_token, init_hf, num_parameters
 
 from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe.runtime.compiles import compilations, compile_seconds
 from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
 
 GiB = 2**30
@@ -463,6 +464,8 @@ class _Remember(L.Callback):
             "pinned_gib": engine.pool.pinned_bytes / GiB,
             "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
+            "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds
+            "compile_s": compile_seconds(),
             "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
             "recovered_batches": engine.recovery.recovered,
             "frozen_bytes": sum(g.data.nbytes for g in engine.store.groups if g.kind == "frozen"),

@@ -16,6 +16,7 @@ import torch
 from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package
+from lightning_roundpipe.runtime.compiles import compilations, compile_seconds
 
 pl = lightning_package(globals())
 _Callback = pl.Callback
@@ -180,6 +181,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9
             metrics["roundpipe/d2h_gbps"] = (moved[1] - self._last_bytes[1]) / (now - self._last_time) / 1e9
         self._last_bytes, self._last_time = moved, now
+        if (compiled := compilations()) > 0:  # torch.compile in this process (compile=...): what it has cost
+            metrics["roundpipe/compilations"], metrics["roundpipe/compile_s"] = float(compiled), compile_seconds()
         metrics.update(self._gpu_memory(engine))
         metrics["roundpipe/host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
         self._log(trainer, metrics, trainer.fit_loop.epoch_loop._batches_that_stepped)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 from helpers import BoringPipeline, fit, flat_weights, relative_error
 from torch import nn
 
-from lightning_roundpipe import RoundPipeStrategy
+from lightning_roundpipe import RoundPipeMonitor, RoundPipeStrategy
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.models import compiled
 from lightning_roundpipe.runtime import WorkerDevice
@@ -149,13 +150,28 @@ def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, matc
         RoundPipeStrategy(compile=value)
 
 
+class Metrics(L.pytorch.loggers.Logger):
+    """Keeps what is logged."""
+
+    name, version, logged = "metrics", 0, []
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.logged.append(dict(metrics))
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+
 @pytest.mark.timeout(240)
-def test_a_compiled_sequential_trains_like_plain_lightning():
+def test_a_compiled_sequential_trains_like_plain_lightning_and_the_monitor_reports_the_compile():
     plain = fit(BoringPipeline, dict(accelerator="cpu", devices=1))
-    counting = Counting()
+    counting, logger = Counting(), Metrics()
     strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=False, compile={"backend": counting})
-    ours = fit(BoringPipeline, dict(strategy=strategy, accelerator="cpu", devices=2))
+    trainer_kwargs = dict(strategy=strategy, accelerator="cpu", devices=2, callbacks=[RoundPipeMonitor()])
+    ours = fit(BoringPipeline, dict(trainer_kwargs, logger=logger, log_every_n_steps=1))
     assert counting.graphs >= 3  # Linear, Tanh and GELU, each its own code
+    last = [m for m in logger.logged if "roundpipe/compilations" in m][-1]
+    assert last["roundpipe/compilations"] >= counting.graphs and last["roundpipe/compile_s"] > 0
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
     assert not any("forward" in m.__dict__ for m in ours.model)
 

@@ -1,14 +1,18 @@
-"""How many ``torch.compile`` compilations have started in this process: a batch during which the count
-moved ran some of its work at compile speed, and its measured times say nothing about the layers."""
+"""``torch.compile``'s compilations in this process: how many have started, and the seconds they took. A
+batch during which the count moved ran some of its work at compile speed, and its measured times say
+nothing about the layers; the seconds are what ``RoundPipeMonitor`` reports as the compile's cost."""
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any
 
 _lock = threading.Lock()
 _started = 0
+_seconds = 0.0
+_since: float | None = None
 _watching = False
 
 
@@ -23,12 +27,27 @@ def compilations() -> int:
             if not _watching:
                 from torch._dynamo.callback import callback_handler
 
-                callback_handler.register_start_callback(_started_one)
+                callback_handler.register_start_callback(_start)
+                callback_handler.register_end_callback(_end)
                 _watching = True
     return _started
 
 
-def _started_one(_: Any) -> None:
-    global _started
+def compile_seconds() -> float:
+    """Seconds spent compiling since the count began (overlapping compilations counted once)."""
+    return _seconds
+
+
+def _start(_: Any) -> None:
+    global _started, _since
     with _lock:
         _started += 1
+        _since = time.perf_counter()
+
+
+def _end(_: Any) -> None:
+    global _seconds, _since
+    with _lock:
+        if _since is not None:
+            _seconds += time.perf_counter() - _since
+            _since = None
