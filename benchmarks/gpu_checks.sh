@@ -21,7 +21,8 @@
 #        cache-watch cache-watch-8b profile-24gib plain-liger-profile (issue 24: CacheWatch at 24 GiB, 1.7B and 8B;
 #        the kept plan's profile; plain with Liger) host-bound host-bound-norm (issue 24: 2, 8 and 16 micro-batches,
 #        one fused stage; torch's RMSNorm) mb-24gib (4 and 8 micro-batches at 24 GiB)
-#        compile compile-24gib (issue 24: regional torch.compile of the blocks, full card and 24 GiB)
+#        compile compile-loss-only compile-24gib (issue 24: regional torch.compile of the blocks, with and without
+#        Liger's kernels inside them, full card; and at 24 GiB)
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -138,6 +139,10 @@ for step in "${steps[@]}"; do
       # there, Liger's kernels against Inductor's). Warmup 8: the first batches compile. About 420 s
       run compile 560 python benchmarks/lightning_user.py --configs fused-16,fused-16-compile,fused-2-compile,fused-2 \
         --warmup 8 --steps 4 --config-timeout 150 --out "$OUT/compile.json" ;;
+    compile-loss-only)  # compiled blocks without Liger's kernels in them (--block-kernels none: Inductor fuses the
+      # norms, SwiGLU and rotary itself; the output stage keeps Liger's fused cross-entropy). About 300 s
+      run compile-loss-only 400 python benchmarks/lightning_user.py --configs fused-16-compile,fused-2-compile \
+        --block-kernels none --warmup 8 --steps 4 --config-timeout 150 --out "$OUT/compile-loss-only.json" ;;
     compile-24gib)  # the same at 24 GiB through the planner: with the host's launches gone, 8 micro-batches
       # may let the fused stage hold more blocks (the route to 40k). About 450 s
       run compile-24gib 560 python benchmarks/lightning_user.py --gpu-gib 24 \

@@ -289,6 +289,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     start = time.perf_counter()
     norms = torch_norms() if args.norm == "torch" else contextlib.nullcontext()
+    norms = loss_kernel_only() if args.block_kernels == "none" else norms
     with norms, experiment(args.run), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         trainer.fit(module, data)
@@ -322,6 +323,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
         "host_gib_by_step": clock.host_gib,
         "norm": args.norm,
+        "block_kernels": args.block_kernels,
         "roundpipe_warnings": sorted({str(w.message) for w in caught if str(w.message).startswith("roundpipe:")}),
     }
     resident.stop()
@@ -435,6 +437,29 @@ def torch_norms() -> Iterator[None]:
         kernels._rms_norm = bound
 
 
+@contextlib.contextmanager
+def loss_kernel_only() -> Iterator[None]:
+    """``--block-kernels none`` for one run: ``kernels="auto"`` binds only Liger's fused linear cross-entropy
+    in the output stage; the blocks keep transformers' norms, MLPs and rotary embedding, which Inductor fuses
+    itself when they are compiled (``CONFIG-compile``). Whether Liger's kernels inside a compiled block help
+    or break its graph is what this measures."""
+    from lightning_roundpipe.models.hf import kernels
+
+    def loss_only(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[str]:
+        for layer in layers:
+            if getattr(layer, "fused_loss", None) is False:
+                layer.fused_loss = True
+                return ["fused linear cross-entropy x1"]
+        return []
+
+    bound = kernels.apply_liger
+    kernels.apply_liger = loss_only
+    try:
+        yield
+    finally:
+        kernels.apply_liger = bound
+
+
 class _ChunkedLoss(L.Callback):
     """``newcomer-chunked``: Liger's kernels in the blocks, the chunked loss in the output stage (what the
     fused linear cross-entropy is measured against)."""
@@ -501,6 +526,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--norm", default="liger", choices=("liger", "torch"),
         help="roundpipe's RMSNorm on CUDA: liger-kernel's or torch.nn.functional.rms_norm (an experiment)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--block-kernels", default="liger", choices=("liger", "none"),
+        help="none: only Liger's fused cross-entropy; the blocks keep transformers' modules (an experiment)",
     )  # fmt: skip
     parser.add_argument("--compile-backend", default="", help="CONFIG-compile: torch.compile's backend (its default)")
     parser.add_argument("--out", default=None)
