@@ -491,6 +491,8 @@ class _Remember(L.Callback):
             "kernels": trainer.strategy.kernels,
             "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds
             "compile_s": compile_seconds(),
+            # the measurement the plan came from: plans can be simulated again offline, at any micro-batch size
+            "layer_profile": engine.planner.fitted.state() if engine.planner.fitted is not None else None,
             "fused_loss": any(getattr(layer, "fused_loss", False) for layer in engine.layers),
             "recovered_batches": engine.recovery.recovered,
             "frozen_bytes": sum(g.data.nbytes for g in engine.store.groups if g.kind == "frozen"),
