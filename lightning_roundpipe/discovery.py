@@ -30,28 +30,33 @@ class Pipelined:
 
 
 def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
-    """:func:`discover`, then the layers' bodies compiled where ``options.compile`` asks for it."""
-    pipelined = discover(module, options, cuda)
+    """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach; the
+    layers' bodies compiled where ``options.compile`` asks, then a Hugging Face model's faster kernels
+    (``options.kernels``) on CUDA workers (``cuda``): bound after, so that a compiled module keeps its own
+    code for Inductor to fuse, and a block compiled whole traces into the kernels of its submodules."""
+    pipelined = discover(module, options)
     if (kwargs := compile_options(options.compile)) is not None:
         pipelined.compiled = compiled.apply(pipelined.layers, kwargs)
         rank_zero_info(f"roundpipe: torch.compile on the layers' bodies: {', '.join(pipelined.compiled) or 'none'}")
+    if pipelined.hf_model is not None:
+        from lightning_roundpipe.models import hf
+
+        if hf.kernels.resolve(options.kernels, cuda):
+            pipelined.kernels = hf.kernels.apply_liger(hf.unwrap(pipelined.hf_model), pipelined.layers)
+            kernels = ", ".join(pipelined.kernels)
+            rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {kernels}")
     return pipelined
 
 
-def discover(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
-    """The layer sequence of ``module``'s model, refusing trainable parameters no gradient would reach; a
-    Hugging Face model's with the faster kernels ``options.kernels`` asks for on CUDA workers (``cuda``)."""
+def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
+    """The layers of ``module``'s Hugging Face model (through its preset) or of its ``nn.Sequential``."""
     hf_model = find_hf_model(module)
     if hf_model is not None:
         from lightning_roundpipe.models import hf
 
         layers = hf.build_layers(hf_model, options.split_decoder_layers, options.tile_tokens)
         check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
-        kernels = []
-        if hf.kernels.resolve(options.kernels, cuda):
-            kernels = hf.kernels.apply_liger(hf.unwrap(hf_model), layers)
-            rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {', '.join(kernels)}")
-        return Pipelined(layers, hf_model=hf_model, kernels=kernels)
+        return Pipelined(layers, hf_model=hf_model)
     if options.kernels == "liger":
         raise ValueError(
             "RoundPipeStrategy(kernels='liger') applies to a Hugging Face model's stages; this model is an"

@@ -21,7 +21,7 @@ import warnings
 from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
-from lightning_roundpipe.runtime.compiles import compilations
+from lightning_roundpipe.runtime.compiles import compile_mark
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
@@ -177,7 +177,7 @@ class AutoPlanner:
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
         self.transfers.measure(flight, store)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
-            if compilations() != flight.compilations and self._compiled_batches < max(2, self.profile_steps):
+            if compile_mark() != flight.compile_mark and self._compiled_batches < max(2, self.profile_steps):
                 self._compiled_batches += 1  # its times hold a compile (a first, or a first dynamic size)
                 return None
             self.profile.add(flight)
@@ -267,7 +267,7 @@ class AutoPlanner:
         self.profile = LayerProfile(self.num_layers)
         self.plan = LayerProfile.plan(self.num_layers)
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
-        self._measuring_dispatched = self.batch_samples = 0
+        self._measuring_dispatched = self.batch_samples = self._compiled_batches = 0
         self.sample_elements = 0.0
 
     def predict(self, handoff: float | None) -> None:

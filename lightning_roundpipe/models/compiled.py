@@ -18,6 +18,7 @@ user) is left as it is.
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -28,13 +29,22 @@ from torch import nn
 _MARK = "__roundpipe_compiled__"
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""torch.compile modes that record CUDA graphs: a graph replays fixed addresses, and a slot's weights move
+at every stage (each stage would record again)."""
+
+
 def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
-    """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off);
-    a clear error for anything ``torch.compile`` would not take."""
+    """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off), with
+    this strategy's defaults where the user gave none: ``dynamic=True`` (batch and sequence sizes vary: one
+    compile instead of a static one and then a dynamic one, and fewer of the 8 variants a code keeps) and,
+    for Inductor without a ``mode`` or ``options``, ``fallback_random`` (a forward stage and the recompute of
+    a backward stage run different graphs: torch's own random ops draw the same dropout masks in both under
+    the layer's seed). A clear error for anything ``torch.compile`` would not take, and for CUDA graphs."""
     if choice is False:
         return None
     if choice is True:
-        return {}
+        choice = {}
     if not isinstance(choice, dict):
         raise ValueError(
             f"RoundPipeStrategy(compile={choice!r}) must be True, False or a dict of torch.compile's keyword"
@@ -47,7 +57,15 @@ def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
             f"RoundPipeStrategy(compile=...) got {unknown}, which torch.compile does not take; it takes"
             f" {sorted(allowed)}"
         )
-    return dict(choice)
+    if choice.get("mode") in CUDA_GRAPH_MODES or (choice.get("options") or {}).get("triton.cudagraphs"):
+        raise ValueError(
+            f"RoundPipeStrategy(compile={choice!r}) records CUDA graphs, which replay fixed addresses; a stage's"
+            ' weights move at every stage. Use mode="max-autotune-no-cudagraphs" or "default".'
+        )
+    options = {"dynamic": True, **choice}
+    if options.get("backend", "inductor") == "inductor" and "mode" not in options and "options" not in options:
+        options["options"] = {"fallback_random": True}
+    return options
 
 
 def targets(layer: nn.Module) -> list[nn.Module]:
@@ -67,36 +85,51 @@ def apply(layers: Iterable[nn.Module], options: dict[str, Any]) -> list[str]:
                 continue
             cls = type(module)
             if cls not in compiled:
-                compiled[cls] = _on_workers(cls, torch.compile(_own_code(cls), **options))
+                compiled[cls] = _on_workers(cls, options)
             module.forward = types.MethodType(compiled[cls], module)
             counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())]
 
 
-def _on_workers(cls: type, compiled: Any) -> Any:
-    """``compiled`` where the module is a worker's replica (``_roundpipe_replica``, set by the runtime when
-    it copies a layer), the class's own code elsewhere: the host's model, run by the user outside the
-    pipeline (or for logits in validation), is not compiled for the host's CPU on the way."""
+def _on_workers(cls: type, options: dict[str, Any]) -> Any:
+    """``cls.forward`` compiled where the module is a worker's replica (its ``_roundpipe_replica`` names the
+    worker's device, set by the runtime), the class's own code elsewhere: the host's model, run by the user
+    outside the pipeline (or for logits in validation), is not compiled for the host's CPU on the way.
+    One compiled code per device: a tensor's device is in the guards, so devices sharing one code would
+    share its 8 variants. Calls on one device take turns: torch.compile does not look in its cache again
+    after waiting for another thread's compile, so workers sharing a device would compile each variant
+    once each (GIL-bound launches lose nothing by it)."""
+    by_device: dict[str, tuple[Any, threading.RLock]] = {}
+    made = threading.Lock()
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.__dict__.get("_roundpipe_replica"):
-            return compiled(self, *args, **kwargs)
-        return cls.forward(self, *args, **kwargs)
+        device = self.__dict__.get("_roundpipe_replica")
+        if not device:
+            return cls.forward(self, *args, **kwargs)
+        entry = by_device.get(device)
+        if entry is None:
+            with made:
+                compiled_code = torch.compile(_own_code(cls, device), **options)
+                entry = by_device.setdefault(device, (compiled_code, threading.RLock()))
+        code, turn = entry
+        with turn:
+            return code(self, *args, **kwargs)
 
     setattr(forward, _MARK, True)
     return forward
 
 
-def _own_code(cls: type) -> Any:
-    """``cls.forward`` called from a function whose code object is this class's own. torch.compile keeps
-    its compiled variants per code object, and wraps torch's own modules' ``forward`` in one shared
-    function: without this, every class would share one cache and its limit of variants."""
+def _own_code(cls: type, device: str) -> Any:
+    """``cls.forward`` called from a function whose code object is this class's and device's own.
+    torch.compile keeps its compiled variants per code object, and wraps torch's own modules' ``forward``
+    in one shared function: without this, every class would share one cache and its limit of variants."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return cls.forward(self, *args, **kwargs)
 
-    forward.__code__ = forward.__code__.replace(co_name=f"{cls.__name__}_forward")
-    forward.__name__ = forward.__qualname__ = f"{cls.__name__}_forward"
+    name = f"{cls.__name__}_forward_{''.join(c if c.isalnum() else '_' for c in device)}"
+    forward.__code__ = forward.__code__.replace(co_name=name)
+    forward.__name__ = forward.__qualname__ = name
     return forward
 
 

@@ -13,24 +13,28 @@ _lock = threading.Lock()
 _started = 0
 _seconds = 0.0
 _since: float | None = None
-_watching = False
 
 
 def compilations() -> int:
     """Compilations started since the count began (-1 before ``torch._dynamo`` was imported: nothing can
     have been compiled yet, and the first compilation imports it, so the count still moves)."""
-    global _watching
-    if not _watching:
-        if "torch._dynamo" not in sys.modules:
-            return -1
-        with _lock:
-            if not _watching:
-                from torch._dynamo.callback import callback_handler
+    if "torch._dynamo" not in sys.modules:
+        return -1
+    from torch._dynamo.callback import callback_handler
 
+    if _start not in callback_handler.start_callbacks:  # first use, or ``torch._dynamo.reset()`` cleared them
+        with _lock:
+            if _start not in callback_handler.start_callbacks:
                 callback_handler.register_start_callback(_start)
                 callback_handler.register_end_callback(_end)
-                _watching = True
     return _started
+
+
+def compile_mark() -> int:
+    """What a batch notes before it runs and compares after: it moves with every compilation started, and
+    reads differently while one is under way (one begun before the batch and ended during it counts)."""
+    started = compilations()
+    return 2 * started + (_since is not None)
 
 
 def compile_seconds() -> float:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from lightning_roundpipe.runtime.compiles import compilations
+from lightning_roundpipe.runtime.compiles import compile_mark
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.workers import EitherEvent, Gate
 from lightning_roundpipe.schedule.dataflow import Key, consumer_counts
@@ -103,7 +103,7 @@ class Flight:
         self.boundary_bytes = 0
         """Recorded batches: the largest activation one micro-batch handed between two stages (bytes),
         what each boundary kept for backward holds on the host, per micro-batch."""
-        self.compilations = compilations()  # torch.compile's before it: a moved count means it waited for one
+        self.compile_mark = compile_mark()  # torch.compile's, before it: moved after, it waited for a compile
         self.references: dict[int, tuple[Any, float]] = {}
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
         self.cast_wait = 0.0

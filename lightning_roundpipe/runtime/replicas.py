@@ -26,10 +26,7 @@ def weightless_replica(layer: nn.Module) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in layer.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    replica = copy.deepcopy(layer, memo)
-    for module in replica.modules():  # what a compiled forward (``compile=...``) runs compiled on
-        module._roundpipe_replica = True
-    return replica
+    return copy.deepcopy(layer, memo)
 
 
 def plain_attributes(layers: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
@@ -57,6 +54,9 @@ class Replicas:
         """Settable: a restored engine state changes it before the first batch."""
         self.autocast_dtype = autocast_dtype
         self.modules = [weightless_replica(layer) for layer in layers]
+        for replica in self.modules:  # what a compiled forward (``compile=...``) runs compiled on, per device
+            for module in replica.modules():
+                module._roundpipe_replica = str(device.device)
         self._slots_of = [_tensor_slots(replica, refs) for replica, refs in zip(self.modules, layer_tensors)]
 
     def apply(self, attributes: list[list[dict[str, Any]]]) -> None:

@@ -7,6 +7,7 @@ main thread with its original traceback. Nothing here knows about stages or plan
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -84,8 +85,10 @@ class WorkerPool:
     ) -> None:
         self._queues: list[queue.SimpleQueue[object]] = [queue.SimpleQueue() for _ in names]
         self._on_error = on_error
+        # each thread runs in a copy of the creating thread's context: settings kept in context variables
+        # (torch.compile's configuration, from torch 2.12 on) reach the workers as the main thread set them
         self._threads = [
-            threading.Thread(target=self._loop, args=(q, init), name=name, daemon=True)
+            threading.Thread(target=contextvars.copy_context().run, args=(self._loop, q, init), name=name, daemon=True)
             for q, init, name in zip(self._queues, thread_init, names)
         ]
         for t in self._threads:
