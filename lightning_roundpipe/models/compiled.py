@@ -96,24 +96,21 @@ def _on_workers(cls: type, options: dict[str, Any]) -> Any:
     worker's device, set by the runtime), the class's own code elsewhere: the host's model, run by the user
     outside the pipeline (or for logits in validation), is not compiled for the host's CPU on the way.
     One compiled code per device: a tensor's device is in the guards, so devices sharing one code would
-    share its 8 variants. Calls on one device take turns: torch.compile does not look in its cache again
-    after waiting for another thread's compile, so workers sharing a device would compile each variant
-    once each (GIL-bound launches lose nothing by it)."""
-    by_device: dict[str, tuple[Any, threading.RLock]] = {}
+    share its 8 variants. Calls on one device already take turns (a replica runs under its device's
+    generator lock, :meth:`~lightning_roundpipe.runtime.WorkerDevice.seeded`), which matters: torch.compile
+    does not look in its cache again after waiting for another thread's compile."""
+    by_device: dict[str, Any] = {}
     made = threading.Lock()
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         device = self.__dict__.get("_roundpipe_replica")
         if not device:
             return cls.forward(self, *args, **kwargs)
-        entry = by_device.get(device)
-        if entry is None:
+        code = by_device.get(device)
+        if code is None:
             with made:
-                compiled_code = torch.compile(_own_code(cls, device), **options)
-                entry = by_device.setdefault(device, (compiled_code, threading.RLock()))
-        code, turn = entry
-        with turn:
-            return code(self, *args, **kwargs)
+                code = by_device.setdefault(device, torch.compile(_own_code(cls, device), **options))
+        return code(self, *args, **kwargs)
 
     setattr(forward, _MARK, True)
     return forward
