@@ -22,7 +22,7 @@
 #        the kept plan's profile; plain with Liger) host-bound host-bound-norm (issue 24: 2, 8 and 16 micro-batches,
 #        one fused stage; torch's RMSNorm) mb-24gib (4 and 8 micro-batches at 24 GiB)
 #        compile compile-loss-only compile-24gib (issue 24: regional torch.compile of the blocks, with and without
-#        Liger's kernels inside them, full card; and at 24 GiB)
+#        Liger's kernels inside them, full card; and at 24 GiB) defaults defaults-4b-8b (issue 24: compile="auto")
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
@@ -143,6 +143,20 @@ for step in "${steps[@]}"; do
       # norms, SwiGLU and rotary itself; the output stage keeps Liger's fused cross-entropy). About 300 s
       run compile-loss-only 400 python benchmarks/lightning_user.py --configs fused-16-compile,fused-2-compile \
         --block-kernels none --warmup 8 --steps 4 --config-timeout 150 --out "$OUT/compile-loss-only.json" ;;
+    defaults)  # issue 24 with compile="auto" the default (compiled blocks, Liger's loss only), side by side with
+      # plain Lightning given Liger's kernels and given compiled blocks; then the 24 GiB card through its watch.
+      # Predicted from the same settings under CONFIG-compile (2026-12-02, eighth session): about 51.0k full
+      # card, 40.5k at 24 GiB (the watch keeps its 0.75x plan about step 21). About 330 s
+      run defaults 330 python benchmarks/lightning_user.py --configs plain-liger,plain-compile,newcomer \
+        --warmup 10 --steps 6 --config-timeout 130 --out "$OUT/defaults.json"
+      run defaults-24gib 150 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
+        --config-timeout 140 --out "$OUT/defaults-24gib.json" ;;
+    defaults-4b-8b)  # the 4B shape at 24 GiB (15,372 tokens/s eager with Liger's kernels) and the 8B in bf16-true
+      # at 24 GiB (9,166 after 18 warm-up steps), with the compiled default. About 380 s
+      run defaults-4b 170 python benchmarks/lightning_user.py --model qwen3-4b --gpu-gib 24 --configs newcomer \
+        --warmup 10 --steps 4 --config-timeout 160 --out "$OUT/defaults-4b.json"
+      run defaults-8b 280 python benchmarks/lightning_user.py --model qwen3-8b --precision bf16-true --gpu-gib 24 \
+        --configs newcomer --warmup 18 --steps 4 --config-timeout 270 --out "$OUT/defaults-8b.json" ;;
     compile-24gib)  # the same at 24 GiB through the planner: with the host's launches gone, 8 micro-batches
       # may let the fused stage hold more blocks (the route to 40k). About 450 s
       run compile-24gib 560 python benchmarks/lightning_user.py --gpu-gib 24 \

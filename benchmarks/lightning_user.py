@@ -9,8 +9,10 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   ``AdamW(fused=True)`` on the GPU, micro-batches of ``--micro-batch`` sequences accumulated;
 - ``plain-liger``: ``plain`` with ``liger_kernel.transformers.apply_liger_kernel_to_qwen3()`` called before
   the model is built (Liger's RMSNorm, rotary, SwiGLU and fused linear cross-entropy, as its README says);
-- ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default: with liger-kernel
-  installed, its kernels in the stages);
+- ``plain-compile``: ``plain`` with each decoder block compiled (``block.compile()``, PyTorch's regional
+  compilation: Inductor's fused kernels in the blocks, as roundpipe's default has them);
+- ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default: on the GPU each
+  block compiled, with liger-kernel installed its fused cross-entropy in the output stage);
 - ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
@@ -27,6 +29,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   micro-batches, what the host's launches cost (on the full card);
 - ``CONFIG-compile`` (e.g. ``newcomer-compile``, ``fused-16-compile``): ``CONFIG`` with
   ``RoundPipeStrategy(compile=True)``, each block's body through ``torch.compile`` (``--compile-backend``);
+  ``CONFIG-eager`` (e.g. ``newcomer-eager``): with ``compile=False``, every block eager (with liger-kernel
+  installed, its kernels in the blocks: the default until 2026-12-02's eighth session);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
   nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
 
@@ -216,13 +220,15 @@ class Clock(L.Callback):
 
 def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, Any] = True) -> tuple[Any, bool]:
     """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one;
-    ``CONFIG-compile``: ``CONFIG`` with ``compile=compile_with`` (regional ``torch.compile``)."""
-    if config.endswith("-compile"):
-        strategy, fused = strategy_for(config.removesuffix("-compile"), layers)
-        strategy = RoundPipeStrategy() if strategy == "roundpipe" else strategy
-        strategy.options.compile = compile_with  # read when the strategy finds the layers, at setup
-        return strategy, fused
-    if config in ("plain", "plain-liger"):
+    ``CONFIG-compile``: ``CONFIG`` with ``compile=compile_with`` (regional ``torch.compile``), ``CONFIG-eager``
+    with ``compile=False``."""
+    for suffix, choice in (("-compile", compile_with), ("-eager", False)):
+        if config.endswith(suffix) and not config.startswith("plain"):
+            strategy, fused = strategy_for(config.removesuffix(suffix), layers)
+            strategy = RoundPipeStrategy() if strategy == "roundpipe" else strategy
+            strategy.options.compile = choice  # read when the strategy finds the layers, at setup
+            return strategy, fused
+    if config in ("plain", "plain-liger", "plain-compile"):
         return "auto", True
     if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn"):
         return "roundpipe", False
@@ -244,9 +250,9 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         count, _, share = config.removeprefix("tuned-").partition("-gm")
         return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
-        f"unknown configuration {config!r}: plain, plain-liger, newcomer, newcomer-nokernels, newcomer-chunked,"
-        " newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
-        " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N"
+        f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
+        " newcomer-chunked, newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
+        " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N (roundpipe's: -compile or -eager after it)"
     )
 
 
@@ -270,6 +276,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
+    if args.run == "plain-compile":  # regional compilation as PyTorch's recipe has it: each block compiled
+        for block in model.model.layers:
+            block.compile(**({"backend": args.compile_backend} if args.compile_backend else {}))
     module = LM(model, fused=fused)
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
@@ -445,7 +454,7 @@ def loss_kernel_only() -> Iterator[None]:
     or break its graph is what this measures."""
     from lightning_roundpipe.models.hf import kernels
 
-    def loss_only(model: torch.nn.Module, layers: list[torch.nn.Module]) -> list[str]:
+    def loss_only(model: torch.nn.Module, layers: list[torch.nn.Module], blocks: bool = True) -> list[str]:
         for layer in layers:
             if getattr(layer, "fused_loss", None) is False:
                 layer.fused_loss = True

@@ -35,17 +35,35 @@ def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -
     (``options.kernels``) on CUDA workers (``cuda``): bound after, so that a compiled module keeps its own
     code for Inductor to fuse, and a block compiled whole traces into the kernels of its submodules."""
     pipelined = discover(module, options)
-    if (kwargs := compile_options(options.compile)) is not None:
+    if (kwargs := _compiling(options.compile, pipelined, cuda)) is not None:
         pipelined.compiled = compiled.apply(pipelined.layers, kwargs)
         rank_zero_info(f"roundpipe: torch.compile on the layers' bodies: {', '.join(pipelined.compiled) or 'none'}")
     if pipelined.hf_model is not None:
         from lightning_roundpipe.models import hf
 
         if hf.kernels.resolve(options.kernels, cuda):
-            pipelined.kernels = hf.kernels.apply_liger(hf.unwrap(pipelined.hf_model), pipelined.layers)
+            model, blocks = hf.unwrap(pipelined.hf_model), not pipelined.compiled
+            pipelined.kernels = hf.kernels.apply_liger(model, pipelined.layers, blocks=blocks)
             kernels = ", ".join(pipelined.kernels)
             rank_zero_info(f"roundpipe: liger-kernel's kernels in the model's stages: {kernels}")
     return pipelined
+
+
+def _compiling(choice: bool | str | dict, pipelined: Pipelined, cuda: bool) -> dict | None:
+    """``torch.compile``'s arguments for ``RoundPipeStrategy(compile=choice)``, or ``None``: ``"auto"``
+    compiles a Hugging Face model's blocks on CUDA workers, unless the user put liger-kernel's modules in
+    them (their choice of kernels stands)."""
+    if choice != "auto":
+        return compile_options(choice)
+    if not compiled.auto_applies(cuda, preset=pipelined.hf_model is not None):
+        return None
+    if foreign := compiled.foreign_kernels(pipelined.layers):
+        rank_zero_info(
+            f"roundpipe: the blocks run liger-kernel's {', '.join(foreign)} as the model was built: left eager"
+            " (compile=True compiles them anyway)"
+        )
+        return None
+    return compile_options(choice)
 
 
 def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:

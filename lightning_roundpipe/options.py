@@ -99,13 +99,17 @@ class RoundPipeOptions:
     are CUDA devices (``pip install "lightning-roundpipe[gpu]"``); ``"liger"`` requires them (a clear
     error otherwise); ``"none"`` runs transformers' own modules and the chunked loss. Only this model's
     modules are changed, never the classes: other models in the process keep their code."""
-    compile: bool | dict[str, Any] = False
+    compile: bool | str | dict[str, Any] = "auto"
     """Regional compilation: each pipelined layer's body runs through ``torch.compile`` (a Hugging Face
     model's decoder blocks, or the attention and MLP of split ones; each layer of an ``nn.Sequential``),
-    compiled once per class and shared by all blocks and workers. ``True`` uses torch.compile's defaults,
-    a dict passes its keyword arguments (``{"mode": "max-autotune-no-cudagraphs"}``). It takes the host's
-    launch work off many small micro-batches; the first batches pay the compile, which the layer
-    measurement leaves out. Off by default until measured on a GPU (docs/tuning.md)."""
+    compiled once per class and device and shared by all blocks and workers. ``"auto"`` compiles a Hugging
+    Face model's blocks on CUDA workers where Inductor has Triton, with Liger's fused cross-entropy kept in
+    the output stage and Inductor's fusions instead of Liger's block kernels (measured faster: docs/
+    benchmarks.md); CPU workers and an ``nn.Sequential`` run eagerly, as does a model the user built with
+    liger-kernel's modules. ``True`` compiles with torch.compile's defaults wherever the workers are, a
+    dict passes its keyword arguments (``{"mode": "max-autotune-no-cudagraphs"}``), ``False`` runs every
+    layer eagerly. The first batches pay the compile (seconds: Inductor's cache), which the layer
+    measurement leaves out."""
     evaluate_hf_in_pipeline: bool = True
     """``self.model(**batch)`` of a Hugging Face model in ``validation_step`` / ``test_step`` with labels
     runs forward-only through the pipeline and returns the loss only (``logits`` is ``None``: never

@@ -62,7 +62,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         split_decoder_layers: a Hugging Face model's blocks become attention and MLP layers.
         tile_tokens: with ``split_decoder_layers``, run token-wise parts over this many tokens at a time.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
-        compile: each pipelined layer's body through ``torch.compile``: ``True``, or its keyword arguments.
+        compile: ``torch.compile`` of the layers: ``"auto"`` (HF blocks on CUDA), ``True``, ``False`` or its kwargs.
         evaluate_hf_in_pipeline: a Hugging Face model's validation/test loss goes through the pipeline.
         timeout: with ``num_nodes > 1``, how long a collective waits for the other nodes.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for any strategy (the Trainer's).
@@ -87,7 +87,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
         kernels: str = "auto",
-        compile: bool | dict[str, Any] = False,
+        compile: bool | str | dict[str, Any] = "auto",
         evaluate_hf_in_pipeline: bool = True,
         timeout: timedelta | float = default_pg_timeout,
         accelerator: Any = None,

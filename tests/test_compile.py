@@ -231,11 +231,76 @@ def test_worker_threads_see_the_compile_settings_of_the_thread_that_made_them():
 
 
 @pytest.mark.parametrize(
-    ("value", "match"), [("yes", "must be True, False or a dict"), ({"mdoe": "default"}, r"\['mdoe'\].*'mode'")]
+    ("value", "match"), [("yes", "must be 'auto', True, False or a dict"), ({"mdoe": "default"}, r"\['mdoe'\].*'mode'")]
 )
 def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, match):
     with pytest.raises(ValueError, match=match):
         RoundPipeStrategy(compile=value)
+
+
+class LigerLikeNorm(nn.Module):
+    """Stands in for liger-kernel's RMSNorm class, as a model built after ``apply_liger_kernel_to_*`` has."""
+
+    __module__ = "liger_kernel.transformers.rms_norm"
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_compiles_a_hugging_face_models_blocks_on_cuda_workers_with_only_the_loss_from_liger(monkeypatch, cuda):
+    """``compile="auto"`` (the default): on CUDA workers (with Triton) a preset's blocks are compiled and Liger
+    binds only its fused cross-entropy (Inductor fuses the norms, SwiGLU and rotary itself); on CPU workers
+    nothing is compiled. Only the choices are resolved here: nothing runs on a device."""
+    from lightning_roundpipe.discovery import pipelined_layers
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    monkeypatch.setattr(compiled, "auto_applies", lambda cuda, preset: cuda and preset)  # as if Triton were there
+    monkeypatch.setattr(hf.kernels, "liger_installed", lambda: True)
+    model = qwen3(2)
+    pipelined = pipelined_layers(LMOf(model), RoundPipeOptions(), cuda=cuda)
+    try:
+        assert pipelined.compiled == (["Qwen3DecoderLayer x2"] if cuda else [])
+        assert pipelined.kernels == (["fused linear cross-entropy x1"] if cuda else [])
+        assert not any("forward" in m.__dict__ for m in model.modules() if "RMSNorm" in type(m).__name__)
+    finally:
+        compiled.remove(pipelined.layers)
+
+
+def test_auto_leaves_eager_a_sequential_and_a_model_built_with_liger_kernels_modules(monkeypatch):
+    from lightning_roundpipe.discovery import pipelined_layers
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    monkeypatch.setattr(compiled, "auto_applies", lambda cuda, preset: cuda and preset)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert pipelined_layers(LMOf(net), RoundPipeOptions(kernels="none"), cuda=True).compiled == []
+    model = qwen3(2)
+    block = model.model.layers[1]
+    block.post_attention_layernorm = LigerLikeNorm(block.post_attention_layernorm)
+    options = RoundPipeOptions(kernels="none")
+    assert compiled.foreign_kernels(hf.build_layers(model)) == ["LigerLikeNorm"]
+    assert pipelined_layers(LMOf(model), options, cuda=True).compiled == []
+    forced = pipelined_layers(LMOf(model), RoundPipeOptions(kernels="none", compile=True), cuda=True)
+    assert forced.compiled == ["Qwen3DecoderLayer x2"]  # asked for: compiled anyway
+    compiled.remove(forced.layers)
+
+
+def test_auto_needs_triton_for_inductor():
+    """Without Triton (this CPU wheel has none) Inductor cannot make CUDA code: ``"auto"`` stays eager."""
+    from torch.utils._triton import has_triton
+
+    assert compiled.auto_applies(cuda=True, preset=True) == has_triton()
+    assert not compiled.auto_applies(cuda=False, preset=True) and not compiled.auto_applies(cuda=True, preset=False)
+
+
+class LMOf(L.LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
 
 
 class Metrics(L.pytorch.loggers.Logger):
@@ -269,9 +334,10 @@ def test_a_compiled_sequential_trains_like_plain_lightning_and_the_monitor_repor
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("kernels", "split"), [(False, False), (True, False), (True, True)])
 def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(kernels, split):
-    """The defaults (Inductor), with and without Liger's kernels bound after, as the strategy does (a whole
-    block traces into them; a split block's attention and MLP are compiled instead): the pipelined bf16
-    loss and gradients equal the plain model's to bf16 rounding, and the blocks issue no host sync."""
+    """The defaults (Inductor), with and without Liger's fused cross-entropy in the output stage, as the strategy
+    binds it next to compiled blocks (``blocks=False``: Inductor fuses the norms, SwiGLU and rotary): the
+    pipelined bf16 loss and gradients equal the plain model's to bf16 rounding, and the blocks issue no host
+    sync and compile without graph breaks."""
     from test_gpu import _blocks_run_without_host_syncs
 
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
@@ -284,7 +350,7 @@ def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(ke
     want_compiled = ["Qwen3Attention x4", "Qwen3MLP x4"] if split else ["Qwen3DecoderLayer x4"]
     assert compiled.apply(layers, compiled.compile_options(True)) == want_compiled
     if kernels:
-        hf.kernels.apply_liger(model, layers)
+        assert hf.kernels.apply_liger(model, layers, blocks=False) == ["fused linear cross-entropy x1"]
     engine = PipelineEngine(layers, [CudaWorkerDevice("cuda:0", 0)], plan="auto", profile_steps=1, seed=0,
                             compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)  # fmt: skip
     ids = torch.randint(0, 101, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -303,7 +369,7 @@ def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(ke
         assert engine.planner.fitted is not None and engine.planner._compiled_batches >= 1
         assert compilations() > before  # the blocks did run compiled
         print(f"graph breaks (kernels={kernels}, split={split}):", dict(counters["graph_break"]))
-        assert kernels or not counters["graph_break"]  # transformers' block compiles whole
+        assert not counters["graph_break"]  # transformers' block compiles whole
     finally:
         engine.close()
     with torch.autocast("cuda", torch.bfloat16):
@@ -324,3 +390,18 @@ def test_inductor_blocks_on_a_gpu_equal_the_plain_model_and_never_wait_for_it(ke
     compiled.remove(layers)
     if kernels:
         hf.kernels.remove(model)
+
+
+@pytest.mark.gpu
+def test_the_default_compiles_the_blocks_on_a_gpu_and_binds_only_liger_s_loss():
+    """What ``strategy="roundpipe"`` resolves on a CUDA machine (Triton there): compiled blocks, and Liger's
+    fused cross-entropy where liger-kernel is installed."""
+    from lightning_roundpipe.discovery import pipelined_layers
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    pipelined = pipelined_layers(LMOf(qwen3(2)), RoundPipeOptions(), cuda=True)
+    try:
+        assert pipelined.compiled == ["Qwen3DecoderLayer x2"]
+        assert pipelined.kernels == (["fused linear cross-entropy x1"] if hf.kernels.liger_installed() else [])
+    finally:
+        compiled.remove(pipelined.layers)

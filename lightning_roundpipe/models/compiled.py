@@ -17,6 +17,7 @@ user) is left as it is.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import threading
 import types
@@ -34,8 +35,9 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 at every stage (each stage would record again)."""
 
 
-def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
-    """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off), with
+def compile_options(choice: bool | str | dict[str, Any]) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off;
+    ``"auto"`` gives the defaults, whether it applies is :func:`auto_applies`'s to say), with
     this strategy's defaults where the user gave none: ``dynamic=True`` (batch and sequence sizes vary: one
     compile instead of a static one and then a dynamic one, and fewer of the 8 variants a code keeps) and,
     for Inductor without a ``mode`` or ``options``, ``fallback_random`` (a forward stage and the recompute of
@@ -43,12 +45,12 @@ def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
     the layer's seed). A clear error for anything ``torch.compile`` would not take, and for CUDA graphs."""
     if choice is False:
         return None
-    if choice is True:
+    if choice is True or choice == "auto":
         choice = {}
     if not isinstance(choice, dict):
         raise ValueError(
-            f"RoundPipeStrategy(compile={choice!r}) must be True, False or a dict of torch.compile's keyword"
-            ' arguments, e.g. {"mode": "max-autotune-no-cudagraphs"}'
+            f"RoundPipeStrategy(compile={choice!r}) must be 'auto', True, False or a dict of torch.compile's"
+            ' keyword arguments, e.g. {"mode": "max-autotune-no-cudagraphs"}'
         )
     allowed = set(inspect.signature(torch.compile).parameters) - {"model"}
     unknown = sorted(set(choice) - allowed)
@@ -66,6 +68,34 @@ def compile_options(choice: bool | dict[str, Any]) -> dict[str, Any] | None:
     if options.get("backend", "inductor") == "inductor" and "mode" not in options and "options" not in options:
         options["options"] = {"fallback_random": True}
     return options
+
+
+def auto_applies(cuda: bool, preset: bool) -> bool:
+    """Whether ``compile="auto"`` compiles: the decoder blocks of a Hugging Face preset on CUDA workers, where
+    Inductor has Triton. Measured on an H200 (docs/benchmarks.md, 2026-12-02, eighth session): 51.0k tokens/s
+    against 49.3k with Liger's kernels in eager blocks at 2 micro-batches, 44.1k against 24.1k at 16. CPU
+    workers and an ``nn.Sequential``'s layers (the user's own code) run as written unless asked."""
+    if not (cuda and preset):
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # a torch without this helper: Inductor's CUDA code needs Triton all the same
+        return importlib.util.find_spec("triton") is not None
+    return has_triton()
+
+
+def foreign_kernels(layers: Iterable[nn.Module]) -> list[str]:
+    """Modules of ``layers`` running liger-kernel's code, put there by the user (its classes, an instance
+    ``forward`` from it, or its rotary embedding in the module's globals): ``compile="auto"`` leaves such a
+    model eager, as its user chose it. Our own binding of Liger's kernels comes after compilation."""
+    found = set()
+    for layer in layers:
+        for m in layer.modules():
+            rotary = inspect.unwrap(type(m).forward).__globals__.get("apply_rotary_pos_emb")  # Liger patches it
+            codes = (type(m), m.__dict__.get("forward"), rotary)
+            if any((getattr(code, "__module__", None) or "").startswith("liger_kernel") for code in codes):
+                found.add(type(m).__name__)
+    return sorted(found)
 
 
 def targets(layer: nn.Module) -> list[nn.Module]:
