@@ -405,3 +405,43 @@ def test_the_default_compiles_the_blocks_on_a_gpu_and_binds_only_liger_s_loss():
         assert pipelined.kernels == (["fused linear cross-entropy x1"] if hf.kernels.liger_installed() else [])
     finally:
         compiled.remove(pipelined.layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite"])
+def test_every_dense_architectures_inductor_blocks_on_a_gpu_equal_the_model_run_directly(arch):
+    """The default on a GPU for each dense family (MoE blocks stay eager): Inductor's blocks through the
+    engine, fp32, a padded batch; loss and gradients equal the model run directly to float rounding."""
+    from test_architectures import tiny
+    from test_hf import padded_batch
+
+    from lightning_roundpipe.runtime.compiles import compilations
+    from lightning_roundpipe.runtime.device import CudaWorkerDevice
+
+    model = tiny(arch)
+    reference = copy.deepcopy(model).cuda()
+    layers = hf.build_layers(model)
+    assert compiled.apply(layers, compiled.compile_options("auto"))
+    engine = PipelineEngine(layers, [CudaWorkerDevice("cuda:0", 0)], plan="auto", profile_steps=1, seed=0)
+    batch = padded_batch()
+    mask, positions = hf.plain_inputs(batch["attention_mask"], None)
+    before = compilations()
+    try:
+        for _ in range(3):  # measuring (after the compiling batch), then the plan
+            inputs = (batch["input_ids"], mask, positions, batch["labels"])
+            loss = engine.train_batch(inputs, batch["labels"], lambda out, _: out, reduction=hf.counted_tokens)
+            engine.store.install_grads()
+            got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            engine.store.clear_grads()
+        assert compilations() > before
+    finally:
+        engine.close()
+        compiled.remove(layers)
+    want = reference(**{k: v.cuda() for k, v in batch.items()})
+    want.loss.backward()
+    assert abs(loss.item() - want.loss.item()) <= 5e-4 * abs(want.loss.item())
+    expected = {n: p.grad.cpu() for n, p in reference.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert relative_error(grad, expected[name]) <= 5e-4, name
