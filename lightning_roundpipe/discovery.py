@@ -36,7 +36,7 @@ def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -
     code for Inductor to fuse, and a block compiled whole traces into the kernels of its submodules."""
     pipelined = discover(module, options)
     if (kwargs := _compiling(options.compile, pipelined, cuda)) is not None:
-        pipelined.compiled = compiled.apply(pipelined.layers, kwargs)
+        pipelined.compiled = compiled.apply(pipelined.layers, kwargs, fallback=options.compile == "auto")
         rank_zero_info(f"roundpipe: torch.compile on the layers' bodies: {', '.join(pipelined.compiled) or 'none'}")
     if pipelined.hf_model is not None:
         from lightning_roundpipe.models import hf

@@ -238,6 +238,38 @@ def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, matc
         RoundPipeStrategy(compile=value)
 
 
+def refusing(gm: torch.fx.GraphModule, inputs: list) -> object:
+    """A torch.compile backend that cannot compile anything."""
+    raise RuntimeError("no code for this graph")
+
+
+def test_a_block_that_cannot_compile_runs_eagerly_under_auto_and_fails_clearly_when_asked():
+    """``compile="auto"`` must not stop a run that eager code would train: a class whose compile fails runs
+    eagerly from then on, with one warning. Asked for explicitly, the failure reaches the main thread
+    with what to change."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    compiled.apply(list(net), compiled.compile_options({"backend": refusing}), fallback=True)
+    replica = copy.deepcopy(net)
+    for module in replica:
+        module._roundpipe_replica = "cpu"
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="could not compile Linear on cpu.*runs eagerly") as caught:
+        assert torch.equal(replica(x), net(x))
+        assert torch.equal(replica(x), net(x))  # eager now: no second attempt, no second warning
+    assert sum("could not compile Linear" in str(w.message) for w in caught) == 1
+    compiled.remove(list(net))
+
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    compiled.apply(layers, compiled.compile_options({"backend": refusing}))
+    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
+    try:
+        with pytest.raises(Exception, match="no code for this graph") as failed:
+            engine.train_batch(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss)
+    finally:
+        engine.close()
+    assert any("compile=False" in note for note in failed.value.__notes__)
+
+
 class LigerLikeNorm(nn.Module):
     """Stands in for liger-kernel's RMSNorm class, as a model built after ``apply_liger_kernel_to_*`` has."""
 

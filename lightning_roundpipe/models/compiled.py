@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import threading
 import types
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,15 +99,27 @@ def foreign_kernels(layers: Iterable[nn.Module]) -> list[str]:
     return sorted(found)
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    from torch._dynamo import exc
+
+    return (exc.BackendCompilerFailed, exc.InternalTorchDynamoError)
+
+
+COMPILE_ERRORS = _compile_errors()
+"""What torch.compile raises when it cannot compile (a backend's or dynamo's own failure), as opposed to
+an error of the model's code, which an eager run would raise too."""
+
+
 def targets(layer: nn.Module) -> list[nn.Module]:
     """The modules of ``layer`` whose ``forward`` is compiled."""
     named = getattr(layer, "compile_targets", None)
     return list(named()) if callable(named) else [layer]
 
 
-def apply(layers: Iterable[nn.Module], options: dict[str, Any]) -> list[str]:
+def apply(layers: Iterable[nn.Module], options: dict[str, Any], fallback: bool = False) -> list[str]:
     """Bind each target's class ``forward``, compiled with ``options``, onto it; returns what was
-    compiled, as ``"Qwen3DecoderLayer x28"``-style counts."""
+    compiled, as ``"Qwen3DecoderLayer x28"``-style counts. ``fallback`` (``compile="auto"``): a class whose
+    forward fails to compile runs eagerly from then on, with one warning, instead of failing the batch."""
     compiled: dict[type, Any] = {}
     counts: dict[str, int] = {}
     for layer in layers:
@@ -115,13 +128,13 @@ def apply(layers: Iterable[nn.Module], options: dict[str, Any]) -> list[str]:
                 continue
             cls = type(module)
             if cls not in compiled:
-                compiled[cls] = _on_workers(cls, options)
+                compiled[cls] = _on_workers(cls, options, fallback)
             module.forward = types.MethodType(compiled[cls], module)
             counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return [f"{name} x{n}" for name, n in sorted(counts.items())]
 
 
-def _on_workers(cls: type, options: dict[str, Any]) -> Any:
+def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> Any:
     """``cls.forward`` compiled where the module is a worker's replica (its ``_roundpipe_replica`` names the
     worker's device, set by the runtime), the class's own code elsewhere: the host's model, run by the user
     outside the pipeline (or for logits in validation), is not compiled for the host's CPU on the way.
@@ -140,7 +153,19 @@ def _on_workers(cls: type, options: dict[str, Any]) -> Any:
         if code is None:
             with made:
                 code = by_device.setdefault(device, torch.compile(_own_code(cls, device), **options))
-        return code(self, *args, **kwargs)
+        try:
+            return code(self, *args, **kwargs)
+        except COMPILE_ERRORS as e:  # raised while compiling; a whole block is one graph, so nothing ran yet
+            if not fallback:
+                raise
+            by_device[device] = cls.forward
+            why = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])[:300]
+            warnings.warn(
+                f"roundpipe: torch.compile could not compile {cls.__name__} on {device} ({why}); it runs"
+                " eagerly. RoundPipeStrategy(compile=False) silences this; compile=True makes it an error.",
+                stacklevel=2,
+            )
+            return cls.forward(self, *args, **kwargs)
 
     setattr(forward, _MARK, True)
     return forward

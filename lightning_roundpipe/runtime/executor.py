@@ -123,6 +123,8 @@ class StageExecutor:
                 except BaseException as e:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
+                        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                            e.add_note("(torch.compile failed: RoundPipeStrategy(compile=False) runs layers eagerly)")
                         if isinstance(e, torch.OutOfMemoryError):
                             e.add_note(self._out_of_memory_note(action))
                         if isinstance(e, HostMemoryError) and flight.measure_memory:
