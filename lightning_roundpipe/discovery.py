@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -27,6 +29,25 @@ class Pipelined:
     """The faster kernels bound onto the model's modules (``RoundPipeStrategy(kernels=...)``)."""
     compiled: list[str] = field(default_factory=list)
     """The modules whose ``forward`` was compiled (``RoundPipeStrategy(compile=...)``)."""
+
+    @contextlib.contextmanager
+    def undone_on_failure(self) -> Iterator[None]:
+        """For the setup steps after binding: a failure leaves the user's model as it was."""
+        try:
+            yield
+        except BaseException:
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        """The model's modules run their classes' code again: the kernels and compiled forwards come off (at
+        teardown, or when setup fails after they were bound)."""
+        if self.kernels:
+            from lightning_roundpipe.models import hf
+
+            hf.kernels.remove(hf.unwrap(self.hf_model))
+        if self.compiled:
+            compiled.remove(self.layers)
 
 
 def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:

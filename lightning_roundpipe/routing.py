@@ -18,7 +18,6 @@ from torch import Tensor
 from lightning_roundpipe import api
 from lightning_roundpipe.discovery import Pipelined
 from lightning_roundpipe.engine import PipelineEngine
-from lightning_roundpipe.models import compiled
 from lightning_roundpipe.nodes import Nodes
 from lightning_roundpipe.runtime.microbatch import Reduction
 
@@ -77,12 +76,7 @@ class PipelineCalls:
         if self._interceptor is not None:
             self._interceptor.restore()
             self._interceptor = None
-        if self.pipelined.kernels:
-            from lightning_roundpipe.models import hf
-
-            hf.kernels.remove(hf.unwrap(self.pipelined.hf_model))
-        if self.pipelined.compiled:
-            compiled.remove(self.pipelined.layers)
+        self.pipelined.undo()
         if self.pipelined.sequential is not None:
             api.unregister_runner(self.pipelined.sequential)
 

@@ -44,8 +44,7 @@ rank_zero_warn = pl.utilities.rank_zero_warn
 class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-type]
     """Train models larger than GPU memory: model states on the host, stages dispatched round-robin.
 
-    Each argument is documented in full on :class:`~lightning_roundpipe.options.RoundPipeOptions`;
-    docs/tuning.md says when to change it.
+    Arguments in full: :class:`~lightning_roundpipe.options.RoundPipeOptions`; when to change them: docs/tuning.md.
 
     Args:
         num_microbatches: micro-batches per round, at least the devices (``None``: chosen, with the plan).
@@ -177,17 +176,18 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         """The engine over the model's layers, and the model's calls routed to it."""
         module = self.lightning_module
         cuda = all(d.type == "cuda" for d in self.worker_devices)
-        pipelined = pipelined_layers(module, self.options, cuda)
-        self.kernels = pipelined.kernels
         asynchronous = self.async_optimizer and training
         self.precision_plugin.check_supported(asynchronous, self.num_nodes)
         if asynchronous:
             _warn_about_gradient_hooks(module)
-        self.engine = build_engine(
-            pipelined.layers, self.worker_devices, self.options, self.precision_plugin.compute_dtype, asynchronous,
-            training, self._nodes.count, self.precision_plugin.autocast_dtype,
-        )  # fmt: skip
-        self._nodes.join(self.engine, asynchronous)
+        pipelined = pipelined_layers(module, self.options, cuda)
+        self.kernels = pipelined.kernels
+        with pipelined.undone_on_failure():  # the host memory check, the nodes' agreement
+            self.engine = build_engine(
+                pipelined.layers, self.worker_devices, self.options, self.precision_plugin.compute_dtype,
+                asynchronous, training, self._nodes.count, self.precision_plugin.autocast_dtype,
+            )  # fmt: skip
+            self._nodes.join(self.engine, asynchronous)
         steps_after = lambda: asynchronous and _lightning_steps_after(module)  # noqa: E731
         self._calls = PipelineCalls(
             self.engine, pipelined, trainer, self.precision_plugin, self._nodes, steps_after,

@@ -75,7 +75,7 @@ def assert_equals_the_model_run_directly(
     batch = padded_batch()
     layers = hf.build_layers(model, split_decoder_layers=split, tile_tokens=tile_tokens)
     if compile:  # as the default does on a GPU, with a backend that runs the traced graphs as they are
-        assert compiled.apply(layers, compiled.compile_options({"backend": "aot_eager"}))
+        assert compiled.apply(layers, compiled.compile_options({"backend": "aot_eager", "fullgraph": True}))
         before = compilations()
     # forward and backward partitions differ; with the split, stages end inside blocks
     plan = StagePlan.parse("3,3|2,3,3" if split else "2,1|2,1,2")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import warnings
 
 import lightning as L
 import pytest
@@ -236,6 +237,84 @@ def test_worker_threads_see_the_compile_settings_of_the_thread_that_made_them():
 def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, match):
     with pytest.raises(ValueError, match=match):
         RoundPipeStrategy(compile=value)
+
+
+@pytest.mark.timeout(240)
+def test_training_evaluation_unpadded_and_single_sample_batches_stay_within_torch_compiles_variant_limit():
+    """A run makes more variants of a block than the 8 torch.compile keeps per code object (grad mode, training
+    mode, a mask or none, a one-sample batch; a frozen embedding's ``requires_grad`` under LoRA); past the
+    limit it would run eagerly with only a log line. Here reaching the limit fails instead, with LoRA."""
+    from test_hf import padded_batch
+
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(qwen3(2), peft.LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.0))
+    layers = hf.build_layers(model)
+    compiled.apply(layers, compiled.compile_options({"backend": Counting(), "fullgraph": True}), fallback=True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], plan="auto", profile_steps=1, seed=0)
+
+        def run(batch: dict, evaluate: bool = False) -> None:
+            mask, positions = hf.plain_inputs(batch["attention_mask"], None)
+            inputs = (batch["input_ids"] % 101, mask, positions, batch["labels"] % 101)
+            if evaluate:
+                model.eval()
+                engine.begin_evaluation()
+                engine.evaluate(inputs, inputs[-1], lambda out, _: out, hf.counted_tokens)
+                engine.end_evaluation()
+                model.train()
+            else:
+                engine.train_batch(inputs, inputs[-1], lambda out, _: out, reduction=hf.counted_tokens)
+                engine.store.clear_grads()
+
+        unpadded = padded_batch(6)
+        unpadded["attention_mask"][:] = 1
+        unpadded["labels"] = unpadded["input_ids"].clone()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="roundpipe: torch.compile")  # no fallback to eager either
+                run(padded_batch(6), evaluate=True)  # Lightning's sanity check
+                for seed in range(4):
+                    run(padded_batch(6, seed=seed))
+                for batch in (unpadded, padded_batch(1)):
+                    run(batch)
+                    run(batch, evaluate=True)
+                run(padded_batch(6), evaluate=True)
+        finally:
+            engine.close()
+            compiled.remove(layers)
+
+
+def test_a_setup_that_fails_after_compiling_leaves_the_model_as_it_was_and_the_next_fit_compiles_again(monkeypatch):
+    """The host memory check (or the nodes' agreement) fails after the blocks were compiled: the user's model
+    keeps no compiled forward, and fitting again binds and removes them as a first fit does."""
+    from test_hf import HFModule, hf_data
+
+    import lightning_roundpipe.strategy as strategy_module
+
+    module = HFModule()
+    blocks = list(module.model.model.layers)
+
+    def trainer() -> L.Trainer:
+        strategy = RoundPipeStrategy(num_microbatches=2, compile={"backend": Counting()})
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+
+    def no_host_memory(*args, **kwargs):
+        raise MemoryError("the host cannot hold this run")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(strategy_module, "build_engine", no_host_memory)
+        with pytest.raises(MemoryError, match="cannot hold"):
+            trainer().fit(module, hf_data())
+    assert not any("forward" in block.__dict__ for block in blocks)
+    during: list[bool] = []
+    seen = L.Callback()
+    seen.on_train_batch_start = lambda *_: during.append(all("forward" in b.__dict__ for b in blocks))
+    fitted = trainer()
+    fitted.callbacks.append(seen)
+    fitted.fit(module, hf_data())
+    assert during == [True] and fitted.strategy.kernels == []  # compiled again, and no kernels on a CPU
+    assert not any("forward" in block.__dict__ for block in blocks)  # and taken off at teardown
 
 
 def refusing(gm: torch.fx.GraphModule, inputs: list) -> object:

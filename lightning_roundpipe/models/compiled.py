@@ -38,7 +38,7 @@ at every stage (each stage would record again)."""
 
 def compile_options(choice: bool | str | dict[str, Any]) -> dict[str, Any] | None:
     """The ``torch.compile`` keyword arguments of ``RoundPipeStrategy(compile=choice)`` (``None``: off;
-    ``"auto"`` gives the defaults, whether it applies is :func:`auto_applies`'s to say), with
+    ``"auto"`` gives the defaults and ``fullgraph``, whether it applies is :func:`auto_applies`'s to say), with
     this strategy's defaults where the user gave none: ``dynamic=True`` (batch and sequence sizes vary: one
     compile instead of a static one and then a dynamic one, and fewer of the 8 variants a code keeps) and,
     for Inductor without a ``mode`` or ``options``, ``fallback_random`` (a forward stage and the recompute of
@@ -46,7 +46,9 @@ def compile_options(choice: bool | str | dict[str, Any]) -> dict[str, Any] | Non
     the layer's seed). A clear error for anything ``torch.compile`` would not take, and for CUDA graphs."""
     if choice is False:
         return None
-    if choice is True or choice == "auto":
+    if choice == "auto":  # a graph break fails the compile (which falls back) instead of splitting the block
+        choice = {"fullgraph": True}
+    if choice is True:
         choice = {}
     if not isinstance(choice, dict):
         raise ValueError(
@@ -92,7 +94,10 @@ def foreign_kernels(layers: Iterable[nn.Module]) -> list[str]:
     found = set()
     for layer in layers:
         for m in layer.modules():
-            rotary = inspect.unwrap(type(m).forward).__globals__.get("apply_rotary_pos_emb")  # Liger patches it
+            try:  # Liger patches the rotary function among the attention's globals
+                rotary = getattr(inspect.unwrap(type(m).forward), "__globals__", {}).get("apply_rotary_pos_emb")
+            except Exception:  # e.g. a TorchScript module's forward
+                rotary = None
             codes = (type(m), m.__dict__.get("forward"), rotary)
             if any((getattr(code, "__module__", None) or "").startswith("liger_kernel") for code in codes):
                 found.add(type(m).__name__)
@@ -102,7 +107,7 @@ def foreign_kernels(layers: Iterable[nn.Module]) -> list[str]:
 def _compile_errors() -> tuple[type[BaseException], ...]:
     from torch._dynamo import exc
 
-    return (exc.BackendCompilerFailed, exc.InternalTorchDynamoError)
+    return (exc.BackendCompilerFailed, exc.InternalTorchDynamoError, exc.Unsupported)
 
 
 COMPILE_ERRORS = _compile_errors()
@@ -124,8 +129,8 @@ def apply(layers: Iterable[nn.Module], options: dict[str, Any], fallback: bool =
     counts: dict[str, int] = {}
     for layer in layers:
         for module in targets(layer):
-            if "forward" in module.__dict__:
-                continue
+            if "forward" in module.__dict__ and not getattr(module.__dict__["forward"], _MARK, False):
+                continue  # the user's own; ours, left by a setup that failed, is bound again
             cls = type(module)
             if cls not in compiled:
                 compiled[cls] = _on_workers(cls, options, fallback)
@@ -138,27 +143,32 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
     """``cls.forward`` compiled where the module is a worker's replica (its ``_roundpipe_replica`` names the
     worker's device, set by the runtime), the class's own code elsewhere: the host's model, run by the user
     outside the pipeline (or for logits in validation), is not compiled for the host's CPU on the way.
-    One compiled code per device: a tensor's device is in the guards, so devices sharing one code would
-    share its 8 variants. Calls on one device already take turns (a replica runs under its device's
-    generator lock, :meth:`~lightning_roundpipe.runtime.WorkerDevice.seeded`), which matters: torch.compile
-    does not look in its cache again after waiting for another thread's compile."""
-    by_device: dict[str, Any] = {}
+
+    One compiled code per :func:`_variant`: torch.compile keeps at most 8 variants per code object (then
+    runs eagerly, with only a log line), and one run makes more than that of a block: with and without
+    grad (forward stage, recompute), training and evaluation, with and without a mask, per device (a
+    tensor's device is in the guards). Calls on one device already take turns (a replica runs under its
+    device's generator lock, :meth:`~lightning_roundpipe.runtime.WorkerDevice.seeded`), which matters:
+    torch.compile does not look in its cache again after waiting for another thread's compile."""
+    codes: dict[tuple, Any] = {}
+    eager_on: set[str] = set()  # devices where this class failed to compile (``fallback``)
     made = threading.Lock()
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         device = self.__dict__.get("_roundpipe_replica")
-        if not device:
+        if not device or device in eager_on:
             return cls.forward(self, *args, **kwargs)
-        code = by_device.get(device)
+        key = _variant(device, self, args, kwargs)
+        code = codes.get(key)
         if code is None:
             with made:
-                code = by_device.setdefault(device, torch.compile(_own_code(cls, device), **options))
+                code = codes.setdefault(key, torch.compile(_own_code(cls, len(codes)), **options))
         try:
             return code(self, *args, **kwargs)
-        except COMPILE_ERRORS as e:  # raised while compiling; a whole block is one graph, so nothing ran yet
+        except COMPILE_ERRORS as e:  # raised while compiling: under ``fullgraph`` nothing has run yet
             if not fallback:
                 raise
-            by_device[device] = cls.forward
+            eager_on.add(device)
             why = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])[:300]
             warnings.warn(
                 f"roundpipe: torch.compile could not compile {cls.__name__} on {device} ({why}); it runs"
@@ -171,15 +181,22 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
     return forward
 
 
-def _own_code(cls: type, device: str) -> Any:
-    """``cls.forward`` called from a function whose code object is this class's and device's own.
-    torch.compile keeps its compiled variants per code object, and wraps torch's own modules' ``forward``
-    in one shared function: without this, every class would share one cache and its limit of variants."""
+def _variant(device: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """What separates a call's compiled code from another's: the device, grad mode, training mode and which
+    arguments are ``None`` (a block's mask is absent when no sequence is padded)."""
+    given = tuple(a is None for a in args), tuple(sorted((k, v is None) for k, v in kwargs.items()))
+    return device, torch.is_grad_enabled(), module.training, given
+
+
+def _own_code(cls: type, number: int) -> Any:
+    """``cls.forward`` called from a function whose code object is its own. torch.compile keeps its
+    compiled variants per code object, and wraps torch's own modules' ``forward`` in one shared function:
+    without this, every class and variant would share one cache and its limit of variants."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return cls.forward(self, *args, **kwargs)
 
-    name = f"{cls.__name__}_forward_{''.join(c if c.isalnum() else '_' for c in device)}"
+    name = f"{cls.__name__}_forward_{number}"
     forward.__code__ = forward.__code__.replace(co_name=name)
     forward.__name__ = forward.__qualname__ = name
     return forward
