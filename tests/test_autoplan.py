@@ -358,6 +358,40 @@ def test_batches_recorded_for_a_monitor_are_not_drift_checks():
 
 
 @pytest.mark.timeout(120)
+def test_batches_during_which_torch_compile_compiled_are_not_drift_checks(monkeypatch):
+    """A compile inside a checked batch (a first evaluation, a first padded batch, another worker's) makes its
+    stages slow once: that is no drift, and measuring every layer again for it would cost two batches."""
+    from lightning_roundpipe.engine import planner as planner_module
+
+    marks = {"now": 0, "compiling": False}
+
+    def mark() -> int:  # moves between a batch's start and its use while something compiles
+        marks["now"] += marks["compiling"]
+        return marks["now"]
+
+    monkeypatch.setattr(planner_module, "compile_mark", mark)
+    monkeypatch.setattr("lightning_roundpipe.runtime.flight.compile_mark", mark)
+    engine = auto_engine(check_every=1, replan_margin=0.5)
+    try:
+        engine.train_batch(*batch(0), F.mse_loss)
+        costs = engine.planner.layer_costs
+        for s in range(3):  # the reference timing and two checks
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.planner.drift is not None and engine.planner.drift < 0.5
+        _SLOW.update(seconds=0.08)  # four times slower, in batches that each waited for a compile
+        marks["compiling"] = True
+        for s in range(4):
+            engine.train_batch(*batch(s), F.mse_loss)
+        marks["compiling"] = False
+        assert engine.planner.layer_costs is costs and engine.planner.drift < 0.5  # not checked
+        for s in range(4):  # the same slowness with nothing compiling: a drift, measured again
+            engine.train_batch(*batch(s), F.mse_loss)
+        assert engine.planner.layer_costs is not costs
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
 def test_the_objective_planner_takes_the_partitioners_plan():
     from lightning_roundpipe.schedule.partition import partition
 

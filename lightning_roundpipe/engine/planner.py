@@ -186,7 +186,7 @@ class AutoPlanner:
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
-        if self._is_check(flight):
+        if self._is_check(flight) and compile_mark() == flight.compile_mark:  # a compile is no drift
             self._check_drift(stage_times(flight), flight.call)
         return None
 
