@@ -251,7 +251,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             self.engine.store.clear_grads()
             self.engine.store.mark_dirty()  # the next batch uploads the updated weights
             return output
-        self._host_clock.record(self.engine.crew.optimizer.last_step_s, self._device_step_s(), optimizer)
+        self._host_clock.update(self.engine.crew.optimizer.last_update, self._device_step_s(), optimizer)
         closure_result = closure()  # training_step, with the pipelined forward and backward
         _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)

@@ -83,18 +83,27 @@ def test_every_torch_optimizer_with_a_fused_cpu_kernel_gets_it_and_others_are_le
     assert others[0].param_groups[0]["foreach"] is None and others[1].param_groups[0]["fused"] is None
 
 
-def test_a_host_step_longer_than_the_devices_is_reported_once():
+def test_a_host_step_longer_than_the_devices_is_reported_once_when_settled():
     clock = HostStepClock()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        clock.record(0.5, 1.0)  # hidden behind the devices' step: nothing to say
-        clock.record(2.0, None)  # the devices' step not measured yet
-    assert clock.host_step_s == 2.0
+        clock.record(1, 12.0, 1.0)  # the first steps allocate the optimizer's states: not judged
+        clock.record(2, 9.0, 1.0)
+        for step in range(3, 8):
+            clock.record(step, 0.5, 1.0)  # hidden behind the devices' step: nothing to say
+        clock.record(8, 3.0, 1.0)  # one slow step among settled ones (the median of three is 0.5)...
+        assert clock.host_step_s == 3.0
+        clock.record(8, 3.0, 1.0)  # ...and the same update seen again is not counted twice
+        clock.record(9, 2.0, None)  # the devices' step not measured yet
     with pytest.warns(UserWarning, match=r"takes 3.00 s, longer than the 1.00 s the devices compute"):
-        clock.record(3.0, 1.0)
+        clock.record(10, 3.0, 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        clock.record(3.0, 1.0)  # once
+        clock.record(11, 3.0, 1.0)  # once
+    synchronous = HostStepClock()  # no step numbers: each call is a step of its own
+    with pytest.warns(UserWarning, match=r"takes 2.00 s"):
+        for _ in range(synchronous.settle + synchronous.window):
+            synchronous.record(None, 2.0, 1.0)
 
 
 def test_the_strategy_reports_its_host_step_time():

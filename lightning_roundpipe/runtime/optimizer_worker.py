@@ -125,9 +125,9 @@ class OptimizerWorker:
         grown after ``growth_interval`` finite steps), as :meth:`scale_after` hands it to later steps."""
         self._decided: dict[int, threading.Event] = {}
         self._decided_lock = threading.Lock()
-        self.last_step_s: float | None = None
-        """Host seconds the last update's math took (clipping and the optimizer's steps; not the waits for
-        gradients, nor the casts): what the devices' step must be longer than for the update to hide."""
+        self.last_update: tuple[int, float] | None = None
+        """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
+        the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -270,7 +270,7 @@ class OptimizerWorker:
                 self.trace.append(("update", job.step, g, start, end))
         if exchange is not None:
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
-        self.last_step_s = working
+        self.last_update = (job.step, working)  # one assignment: a reader never pairs two steps
 
     def _unscale(self, job: UpdateJob) -> bool:
         """``16-mixed``: divide the step's gradients by the loss scale its batches used and decide as
