@@ -482,3 +482,53 @@ def test_tail_slot_is_the_last_gradient_unload_with_no_compute_after_it():
     tails = [tail_slot(actions, with_grads) for actions in five]
     # worker 3 ends on a forward stage of round 2, interleaved with the unload of round 1's fused slot
     assert tails == [(2, 3), (2, 4), (2, 5), None, (2, 2)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("workers", "mbs", "rounds"), [(1, 1, 12), (2, 2, 6)])
+def test_a_settling_batch_stages_gradients_no_faster_than_the_host_adds_them(monkeypatch, workers, mbs, rounds):
+    """Many one-micro-batch rounds write each gradient many times; when the host adds fall behind, the
+    staged copies waiting for them stay under twice the largest slot's gradients (without the bound: every
+    round's copy at once), and the sums stay plain autograd's."""
+    import threading
+    import time
+
+    from lightning_roundpipe.runtime.collector import GradCollector
+    from lightning_roundpipe.runtime.host_pool import HostPool
+
+    lock, held, peak, staged = threading.Lock(), [0], [0], {}
+    submit, give = GradCollector.submit, HostPool.give
+
+    def counted_submit(self, job):
+        with lock:
+            for t in job.staging.values():
+                staged[id(t)] = t.nbytes
+                held[0] += t.nbytes
+            peak[0] = max(peak[0], held[0])
+        submit(self, job)
+
+    def counted_give(self, buffer, events=()):
+        with lock:
+            held[0] -= staged.pop(id(buffer), 0)
+        give(self, buffer, events)
+
+    def slow_adds(self, event):  # the collector's wait for each copy: host adds slower than the device
+        if "collect" in threading.current_thread().name:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(GradCollector, "submit", counted_submit)
+    monkeypatch.setattr(HostPool, "give", counted_give)
+    monkeypatch.setattr(WorkerDevice, "host_wait", slow_adds)
+    model = mlp()
+    reference = copy.deepcopy(model)
+    x, y = batch(12)
+    plan = StagePlan.parse("1,1,1,1,1,1,1,1|1,1,1,1,1,1,1,1,1")
+    engine = engine_for(model, workers, plan=plan, microbatches_per_round=mbs, num_rounds=rounds)
+    try:
+        engine.train_batch(x, y, F.mse_loss)
+        _, want = plain_grads(reference, x, y)
+        assert_close(engine_grads(engine), want)
+        largest = max(sum(engine.store.groups[g].compute.nbytes for g in engine.store.groups_of([i])) for i in range(9))
+        assert peak[0] > 0 and peak[0] <= workers * 2 * largest  # a bound per worker's collector
+    finally:
+        engine.close()

@@ -106,6 +106,7 @@ class StageExecutor:
         self._replicas.apply(attributes)
         self._slots.use_plan(flight.schedule.plan)
         self._unloads.tail = None
+        self._unloads.staging_cap = 2 * self._slots.largest_gradients() if settle else None
         if settle and self.add_tail_on_device and not flight.evaluating:
             self._unloads.tail = tail_slot(actions, self._slots.downloads_gradients)
         if flight.record:

@@ -70,6 +70,10 @@ class WorkerSlots:
         self.plan = plan
         self.stages, self.saved, self.groups, self.trainable, self._pieces = self._tables[plan]
 
+    def largest_gradients(self) -> int:
+        """Bytes of the largest slot's gradients on the device (in the compute copies' dtype)."""
+        return max((sum(self.store.groups[g].compute.nbytes for g in gs) for gs in self.trainable.values()), default=0)
+
     def downloads_gradients(self, slot: int) -> bool:
         return self.stages[slot].has_gradients and bool(self.trainable[slot])
 

@@ -39,6 +39,9 @@ class GradientUnloads:
         self.tail: tuple[int, int] | None = None
         """The slot whose gradients a settling batch downloads last on this worker: no compute follows
         it to hide a host add, so its later writes are summed on the device instead."""
+        self.staging_cap: int | None = None
+        """In a settling batch, the most staging bytes that may wait for the collector (it waits for the
+        collector at its end anyway): later writes wait for room (:meth:`GradCollector.room`)."""
 
     def unload(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev = self.device
@@ -67,6 +70,11 @@ class GradientUnloads:
                     gate.wait()
                 flight.waited("earlier writes", waiting)
                 flight.host_writes.summing[key] = tuple(g for g in grads if g not in overwrite)
+            staged = sum(grad.nbytes for g, grad in grads.items() if g not in overwrite and not summed_here)
+            if staged and self.staging_cap is not None:
+                waiting = time.perf_counter()
+                self.collector.room(staged, self.staging_cap, flight.abort)
+                flight.waited("host adds", waiting)
             for g, grad in grads.items():
                 host = self.store.groups[g].grad
                 assert host is not None
