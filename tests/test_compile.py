@@ -349,6 +349,32 @@ def test_a_block_that_cannot_compile_runs_eagerly_under_auto_and_fails_clearly_w
     assert any("compile=False" in note for note in failed.value.__notes__)
 
 
+def refusing_backwards(gm: torch.fx.GraphModule, inputs: list) -> object:
+    """A backend whose forward graphs run and whose backward graphs cannot compile."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def refuse(graph: torch.fx.GraphModule, _: list) -> object:
+        raise RuntimeError("no code for this backward graph")
+
+    return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward), bw_compiler=refuse)(gm, inputs)
+
+
+@pytest.mark.timeout(120)
+def test_a_backward_that_fails_to_compile_at_the_first_backward_says_compile_false_helps():
+    """Under ``dynamic=True`` a backward graph compiles lazily, at the first backward, and its failure comes
+    as a plain ``RuntimeError`` from inside torch.compile's code: the note still names the way out."""
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    compiled.apply(layers, compiled.compile_options({"backend": refusing_backwards}))
+    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
+    try:
+        with pytest.raises(RuntimeError, match="no code for this backward graph") as failed:
+            engine.train_batch(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss)
+    finally:
+        engine.close()
+    assert any("compile=False" in note for note in failed.value.__notes__)
+
+
 class LigerLikeNorm(nn.Module):
     """Stands in for liger-kernel's RMSNorm class, as a model built after ``apply_liger_kernel_to_*`` has."""
 

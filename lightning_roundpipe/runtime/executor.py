@@ -11,6 +11,7 @@ It owns what spans the batch: the abort check, error notes, and the settle and c
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,18 @@ MEASURING_NOTE = (
     " keeps only its backward stages' inputs, often far fewer. A plan passed to RoundPipeStrategy skips"
     " this measurement; RoundPipeMonitor(layer_costs=...) prints the automatic plan of a run."
 )
+
+
+def _inside_compile(error: BaseException) -> bool:
+    """Whether ``error`` came from torch.compile's machinery: its own error types, or raised in its frames,
+    e.g. a backward graph compiled lazily at the first backward, which fails as a plain ``RuntimeError``."""
+    if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(part in f.filename.replace("\\", "/") for f in frames for part in _COMPILE_FRAMES)
+
+
+_COMPILE_FRAMES = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/_aot_autograd/")
 
 
 class StageExecutor:
@@ -124,8 +137,10 @@ class StageExecutor:
                 except BaseException as e:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
-                        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                            e.add_note("(torch.compile failed: RoundPipeStrategy(compile=False) runs layers eagerly)")
+                        if _inside_compile(e):
+                            e.add_note(
+                                "(raised in torch.compile's code: RoundPipeStrategy(compile=False) runs layers eagerly)"
+                            )
                         if isinstance(e, torch.OutOfMemoryError):
                             e.add_note(self._out_of_memory_note(action))
                         if isinstance(e, HostMemoryError) and flight.measure_memory:
