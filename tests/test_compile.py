@@ -322,6 +322,19 @@ def refusing(gm: torch.fx.GraphModule, inputs: list) -> object:
     raise RuntimeError("no code for this graph")
 
 
+def first_batchs_error(backend: object) -> BaseException:
+    """What the main thread gets from a first batch through blocks compiled with ``backend``."""
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    compiled.apply(layers, compiled.compile_options({"backend": backend}))
+    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
+    try:
+        with pytest.raises(Exception) as failed:
+            engine.train_batch(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss)
+    finally:
+        engine.close()
+    return failed.value
+
+
 def test_a_block_that_cannot_compile_runs_eagerly_under_auto_and_fails_clearly_when_asked():
     """``compile="auto"`` must not stop a run that eager code would train: a class whose compile fails runs
     eagerly from then on, with one warning. Asked for explicitly, the failure reaches the main thread
@@ -338,15 +351,8 @@ def test_a_block_that_cannot_compile_runs_eagerly_under_auto_and_fails_clearly_w
     assert sum("could not compile Linear" in str(w.message) for w in caught) == 1
     compiled.remove(list(net))
 
-    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
-    compiled.apply(layers, compiled.compile_options({"backend": refusing}))
-    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
-    try:
-        with pytest.raises(Exception, match="no code for this graph") as failed:
-            engine.train_batch(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss)
-    finally:
-        engine.close()
-    assert any("compile=False" in note for note in failed.value.__notes__)
+    error = first_batchs_error(refusing)
+    assert "no code for this graph" in str(error) and any("compile=False" in note for note in error.__notes__)
 
 
 def refusing_backwards(gm: torch.fx.GraphModule, inputs: list) -> object:
@@ -364,15 +370,9 @@ def refusing_backwards(gm: torch.fx.GraphModule, inputs: list) -> object:
 def test_a_backward_that_fails_to_compile_at_the_first_backward_says_compile_false_helps():
     """Under ``dynamic=True`` a backward graph compiles lazily, at the first backward, and its failure comes
     as a plain ``RuntimeError`` from inside torch.compile's code: the note still names the way out."""
-    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
-    compiled.apply(layers, compiled.compile_options({"backend": refusing_backwards}))
-    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
-    try:
-        with pytest.raises(RuntimeError, match="no code for this backward graph") as failed:
-            engine.train_batch(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss)
-    finally:
-        engine.close()
-    assert any("compile=False" in note for note in failed.value.__notes__)
+    error = first_batchs_error(refusing_backwards)
+    assert type(error) is RuntimeError and "no code for this backward graph" in str(error)
+    assert any("compile=False" in note for note in error.__notes__)
 
 
 class LigerLikeNorm(nn.Module):
