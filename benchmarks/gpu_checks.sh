@@ -22,13 +22,13 @@
 #        the kept plan's profile; plain with Liger) host-bound host-bound-norm (issue 24: 2, 8 and 16 micro-batches,
 #        one fused stage; torch's RMSNorm) mb-24gib (4 and 8 micro-batches at 24 GiB)
 #        compile compile-loss-only compile-24gib (issue 24: regional torch.compile of the blocks, with and without
-#        Liger's kernels inside them, full card; and at 24 GiB) defaults defaults-newcomer defaults-4b defaults-8b (issue 24:
+#        Liger's kernels inside them, full card; and at 24 GiB) defaults defaults-newcomer defaults-4b defaults-8b ab-24gib (issue 24:
 #        compile="auto")
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: a step may run from another tree (ab-24gib)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # a caller's (carried wheels installed with --target) kept
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 run() {  # run NAME SECONDS COMMAND...
@@ -159,6 +159,14 @@ for step in "${steps[@]}"; do
         --config-timeout 130 --out "$OUT/defaults-newcomer.json"
       run defaults-24gib 150 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
         --config-timeout 140 --out "$OUT/defaults-24gib.json" ;;
+    ab-24gib)  # the default at 24 GiB from another commit's tree and from this one, in one call (39,760 on
+      # 2471c9c against 40,523 on d1e679c, different calls). AB_TREE: that tree, e.g. made with
+      # `git archive d1e679c | tar -x -C .ab` and carried (run(carry=[".ab"])). About 300 s
+      (cd "${AB_TREE:?AB_TREE names the other tree}" && PYTHONPATH=$PWD:${PYTHONPATH#*:} run ab-other 150 \
+        python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
+        --config-timeout 140 --out "$OUT/ab-other.json")
+      run ab-this 150 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
+        --config-timeout 140 --out "$OUT/ab-this.json" ;;
     defaults-4b)  # the 4B shape at 24 GiB (15,372 tokens/s eager with Liger's kernels). The allocator watch's
       # trial lands near batch 9-22 at 4 s a batch, and 10 warm-up steps left it inside the timed ones (2026-12-03:
       # 13,129 mixing two plans); 26 warm-up steps, as at 1.7B. About 260 s
