@@ -50,8 +50,6 @@ class GradCollector:
         self._paced = threading.Condition()
         self._held = 0  # bytes of staging buffers submitted and not yet added
         self._stuck = False  # the job in hand waits for another thread's gate
-        self.peak_held = 0
-        """The most staging bytes that waited for this collector at once."""
         self.log: list[tuple[float, float, float, int]] | None = None
         """When a list: (start of the wait for the copy, start of the host adds, their end, bytes added)
         is appended for every job, in ``time.perf_counter`` seconds: where a batch's tail goes."""
@@ -61,7 +59,6 @@ class GradCollector:
     def submit(self, job: GradJob) -> None:
         with self._paced:
             self._held += sum(t.nbytes for t in job.staging.values())
-            self.peak_held = max(self.peak_held, self._held)
         self._jobs.put(job)
 
     def room(self, nbytes: int, cap: int, abort: threading.Event) -> None:
