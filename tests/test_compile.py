@@ -375,6 +375,19 @@ def test_a_backward_that_fails_to_compile_at_the_first_backward_says_compile_fal
     assert any("compile=False" in note for note in error.__notes__)
 
 
+def test_an_error_of_running_compiled_code_gets_no_compile_note():
+    """A bad token id in a compiled block is the data's fault, an out-of-memory the card's: compile=False
+    would not help, so the note stays off."""
+    from lightning_roundpipe.runtime.executor import raised_by_compile
+
+    embedding = torch.compile(nn.Embedding(4, 2), backend="aot_eager", dynamic=True)
+    embedding(torch.tensor([1, 2]))
+    with pytest.raises(IndexError) as bad_id:
+        embedding(torch.tensor([1, 9]))
+    assert not raised_by_compile(bad_id.value)
+    assert not raised_by_compile(torch.OutOfMemoryError("CUDA out of memory"))
+
+
 class LigerLikeNorm(nn.Module):
     """Stands in for liger-kernel's RMSNorm class, as a model built after ``apply_liger_kernel_to_*`` has."""
 

@@ -101,10 +101,12 @@ class GradCollector:
             try:
                 waited = time.perf_counter()
                 self.device.host_wait(job.ready)
-                self._waiting_on_gates(True)
-                for gate in job.waits:
-                    gate.wait()
-                self._waiting_on_gates(False)
+                pending = [gate for gate in job.waits if not gate.is_set()]
+                if pending:  # only then: an open gate's wait would let a worker past its bound for nothing
+                    self._waiting_on_gates(True)
+                    for gate in pending:
+                        gate.wait()
+                    self._waiting_on_gates(False)
                 started = time.perf_counter()
                 for g in job.zero:
                     grad = self.store.groups[g].grad

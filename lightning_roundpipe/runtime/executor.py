@@ -40,16 +40,23 @@ MEASURING_NOTE = (
 )
 
 
-def _inside_compile(error: BaseException) -> bool:
-    """Whether ``error`` came from torch.compile's machinery: its own error types, or raised in its frames,
-    e.g. a backward graph compiled lazily at the first backward, which fails as a plain ``RuntimeError``."""
+def raised_by_compile(error: BaseException) -> bool:
+    """Whether ``error`` came from compiling, not from running compiled code (a bad token id or an
+    out-of-memory in a compiled block is the model's or the card's): torch.compile's own error types, or a
+    compiler in the traceback, e.g. a backward graph compiled lazily at the first backward, which fails as
+    a plain ``RuntimeError``."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
         return True
-    frames = traceback.extract_tb(error.__traceback__)
-    return any(part in f.filename.replace("\\", "/") for f in frames for part in _COMPILE_FRAMES)
+    return any(frame.name in _COMPILING for frame in traceback.extract_tb(error.__traceback__))
 
 
-_COMPILE_FRAMES = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/_aot_autograd/")
+COMPILE_NOTE = "(torch.compile failed: RoundPipeStrategy(compile=False) runs layers eagerly)"
+_COMPILING = frozenset(
+    {"get_or_compile", "_wrapped_bw_compiler", "bw_compiler", "fw_compiler_base", "compile_fx_inner", "compile_fx"}
+)
+"""Functions that compile graphs (AOTAutograd's lazy backward, dynamo's backend wrapper, Inductor's)."""
 
 
 class StageExecutor:
@@ -137,10 +144,8 @@ class StageExecutor:
                 except BaseException as e:
                     if hasattr(e, "add_note"):
                         e.add_note(f"(raised by roundpipe worker {self.device.index} running action {action})")
-                        if _inside_compile(e):
-                            e.add_note(
-                                "(raised in torch.compile's code: RoundPipeStrategy(compile=False) runs layers eagerly)"
-                            )
+                        if raised_by_compile(e):
+                            e.add_note(COMPILE_NOTE)
                         if isinstance(e, torch.OutOfMemoryError):
                             e.add_note(self._out_of_memory_note(action))
                         if isinstance(e, HostMemoryError) and flight.measure_memory:

@@ -173,7 +173,7 @@ class Flight:
         ``reason``: "casts" (an update's cast into the weights it uploads, edge 2), "update reads" (an
         update reading the gradients it overwrites, edge 4), "earlier writes" (the host sums a tail slot
         adds to), "inputs" (a boundary from another stage), "inflight" (its own queued kernels), "launch"
-        (the main thread's next batch)."""
+        (the main thread's next batch), "host adds" (room at its collector for staged gradients)."""
         seconds = time.perf_counter() - since
         with self._lock:
             self.worker_waits[reason] = self.worker_waits.get(reason, 0.0) + seconds
