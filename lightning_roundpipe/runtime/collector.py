@@ -132,7 +132,8 @@ class GradCollector:
             except BaseException as e:
                 self._on_error(e)
             finally:
-                self._waiting_on_gates(False)
+                if self._stuck:  # an abort during its gates' wait
+                    self._waiting_on_gates(False)
                 for staged in job.staging.values():  # an aborted job: its buffers go back, after their copy
                     self.device.pool.give(staged, [job.ready])
                     self._added(staged.nbytes)
