@@ -375,6 +375,34 @@ def test_a_backward_that_fails_to_compile_at_the_first_backward_says_compile_fal
     assert any("compile=False" in note for note in error.__notes__)
 
 
+@pytest.mark.timeout(120)
+def test_under_auto_a_backward_that_cannot_compile_runs_eagerly_and_the_batch_trains():
+    """``compile="auto"`` compiles a variant's backward graph with its forward, so a backward that cannot
+    compile falls back with the forward, before anything ran, instead of failing the batch at its first
+    backward: the batch trains to eager code's loss and gradients, with one warning."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)]
+    plain = copy.deepcopy(layers)
+    compiled.apply(layers, compiled.compile_options({"backend": refusing_backwards}), fallback=True)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    engine = PipelineEngine(layers, [WorkerDevice("cpu", 0)], microbatches_per_round=2)
+    try:
+        with pytest.warns(UserWarning, match="could not compile Linear on cpu.*backward graph.*runs eagerly"):
+            loss = engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+    finally:
+        engine.close()
+        compiled.remove(layers)
+    from torch._functorch import config
+
+    assert not config.force_non_lazy_backward_lowering  # the switch stayed where it was turned on
+    want = F.mse_loss(nn.Sequential(*plain)(x), y)
+    want.backward()
+    assert torch.allclose(loss, want.detach(), rtol=1e-6)
+    for ours, theirs in zip([p for m in layers for p in m.parameters()], [p for m in plain for p in m.parameters()]):
+        assert torch.allclose(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_an_error_of_running_compiled_code_gets_no_compile_note():
     """A bad token id in a compiled block is the data's fault, an out-of-memory the card's: compile=False
     would not help, so the note stays off."""

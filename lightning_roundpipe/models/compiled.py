@@ -17,6 +17,7 @@ user) is left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 
 _MARK = "__roundpipe_compiled__"
 
@@ -124,7 +126,8 @@ def targets(layer: nn.Module) -> list[nn.Module]:
 def apply(layers: Iterable[nn.Module], options: dict[str, Any], fallback: bool = False) -> list[str]:
     """Bind each target's class ``forward``, compiled with ``options``, onto it; returns what was
     compiled, as ``"Qwen3DecoderLayer x28"``-style counts. ``fallback`` (``compile="auto"``): a class whose
-    forward fails to compile runs eagerly from then on, with one warning, instead of failing the batch."""
+    forward (or the backward graph made with it) fails to compile runs eagerly from then on, with one
+    warning, instead of failing the batch."""
     compiled: dict[type, Any] = {}
     counts: dict[str, int] = {}
     for layer in layers:
@@ -160,10 +163,14 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
             return cls.forward(self, *args, **kwargs)
         key = _variant(device, self, args, kwargs)
         code = codes.get(key)
+        first = code is None
         if code is None:
             with made:
                 code = codes.setdefault(key, torch.compile(_own_code(cls, len(codes)), **options))
         try:
+            if first and fallback:
+                with _FIRST_CALLS, _backward_with_forward():
+                    return code(self, *args, **kwargs)
             return code(self, *args, **kwargs)
         except COMPILE_ERRORS as e:  # raised while compiling: under ``fullgraph`` nothing has run yet
             if not fallback:
@@ -179,6 +186,20 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
 
     setattr(forward, _MARK, True)
     return forward
+
+
+_FIRST_CALLS = threading.RLock()
+"""Held by a variant's first call under ``fallback``, which compiles its backward graph with its forward
+(AOTAutograd otherwise compiles it at the first backward: a failure there fails the batch, past where the
+fallback can run the class eagerly). torch before 2.12 keeps config patches process-wide, so first calls on
+several devices take turns: each restores the value it found (dynamo compiles one at a time anyway)."""
+
+
+def _backward_with_forward() -> contextlib.AbstractContextManager:
+    """AOTAutograd compiling a backward graph with its forward, in this thread, where torch has the switch."""
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def _variant(device: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
