@@ -155,6 +155,7 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
     torch.compile does not look in its cache again after waiting for another thread's compile."""
     codes: dict[tuple, Any] = {}
     eager_on: set[str] = set()  # devices where this class failed to compile (``fallback``)
+    ran: set[tuple] = set()  # variants whose code returned once (compiled, its backward graph with it)
     made = threading.Lock()
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -163,14 +164,15 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
             return cls.forward(self, *args, **kwargs)
         key = _variant(device, self, args, kwargs)
         code = codes.get(key)
-        first = code is None
         if code is None:
             with made:
                 code = codes.setdefault(key, torch.compile(_own_code(cls, len(codes)), **options))
         try:
-            if first and fallback:
+            if fallback and key not in ran:  # until a call returned: one that failed may not have compiled
                 with _FIRST_CALLS, _backward_with_forward():
-                    return code(self, *args, **kwargs)
+                    out = code(self, *args, **kwargs)
+                ran.add(key)
+                return out
             return code(self, *args, **kwargs)
         except COMPILE_ERRORS as e:  # raised while compiling: under ``fullgraph`` nothing has run yet
             if not fallback:
@@ -189,9 +191,9 @@ def _on_workers(cls: type, options: dict[str, Any], fallback: bool = False) -> A
 
 
 _FIRST_CALLS = threading.RLock()
-"""Held by a variant's first call under ``fallback``, which compiles its backward graph with its forward
-(AOTAutograd otherwise compiles it at the first backward: a failure there fails the batch, past where the
-fallback can run the class eagerly). torch before 2.12 keeps config patches process-wide, so first calls on
+"""Held by a variant's calls under ``fallback`` until one returned: they compile its backward graph with its
+forward (AOTAutograd otherwise compiles it at the first backward: a failure there fails the batch, past where
+the fallback can run the class eagerly). torch before 2.12 keeps config patches process-wide, so first calls on
 several devices take turns: each restores the value it found (dynamo compiles one at a time anyway)."""
 
 
