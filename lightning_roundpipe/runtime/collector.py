@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
+from lightning_roundpipe.runtime.workers import ABORT_POLL_S, Gate, PipelineAborted
 
 
 @dataclass
@@ -72,7 +72,7 @@ class GradCollector:
             while self._held and self._held + nbytes > cap and not self._stuck:
                 if abort.is_set():
                     raise PipelineAborted
-                self._paced.wait(Gate._POLL_S)
+                self._paced.wait(ABORT_POLL_S)
 
     def _added(self, nbytes: int) -> None:
         with self._paced:

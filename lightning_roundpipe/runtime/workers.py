@@ -32,6 +32,10 @@ class EitherEvent:
         return any(e.is_set() for e in self._events)
 
 
+ABORT_POLL_S = 0.05
+"""How often a thread waiting for another checks the abort: a wait never outlives it by more."""
+
+
 class Gate:
     """A one-shot signal between threads that an abort can open early.
 
@@ -51,12 +55,10 @@ class Gate:
     def is_set(self) -> bool:
         return self._event.is_set()
 
-    _POLL_S = 0.05
-
     def wait(self) -> None:
         # Wakes on the abort too, even when nobody sets this gate any more (a gate of a batch that had
         # already left the engine's books when another thread failed): a wait never outlives an abort.
-        while not self._event.wait(self._POLL_S):
+        while not self._event.wait(ABORT_POLL_S):
             if self._abort.is_set():
                 raise PipelineAborted
         if self._abort.is_set():
