@@ -368,14 +368,19 @@ def refusing_backwards(gm: torch.fx.GraphModule, inputs: list) -> object:
 
 @pytest.mark.timeout(120)
 def test_a_backward_that_fails_to_compile_at_the_first_backward_says_compile_false_helps():
-    """Under ``dynamic=True`` a backward graph compiles lazily, at the first backward, and its failure comes
-    as a plain ``RuntimeError`` from inside torch.compile's code: the note still names the way out."""
+    """Under ``dynamic=True`` AOTAutograd tries a backward graph with its forward, keeps quiet about a
+    failure and compiles it again at the first backward, where it fails as a plain ``RuntimeError`` from
+    inside torch.compile's code: the note still names the way out."""
     error = first_batchs_error(refusing_backwards)
     assert type(error) is RuntimeError and "no code for this backward graph" in str(error)
     assert any("compile=False" in note for note in error.__notes__)
 
 
+HAS_SWITCH = hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAS_SWITCH, reason="this torch compiles backward graphs at the first backward only")
 def test_under_auto_a_backward_that_cannot_compile_runs_eagerly_and_the_batch_trains():
     """``compile="auto"`` compiles a variant's backward graph with its forward, so a backward that cannot
     compile falls back with the forward, before anything ran, instead of failing the batch at its first
@@ -393,14 +398,37 @@ def test_under_auto_a_backward_that_cannot_compile_runs_eagerly_and_the_batch_tr
     finally:
         engine.close()
         compiled.remove(layers)
-    from torch._functorch import config
-
-    assert not config.force_non_lazy_backward_lowering  # the switch stayed where it was turned on
     want = F.mse_loss(nn.Sequential(*plain)(x), y)
     want.backward()
     assert torch.allclose(loss, want.detach(), rtol=1e-6)
     for ours, theirs in zip([p for m in layers for p in m.parameters()], [p for m in plain for p in m.parameters()]):
         assert torch.allclose(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="this torch compiles backward graphs at the first backward only")
+def test_the_backward_switch_is_on_for_a_variants_first_compile_only_and_off_again_after():
+    """What the switch covers: a variant's first compile (until a call returned), not a later recompile of
+    it (a batch of one sequence specializes a size), and the thread's setting is put back after it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config
+
+    seen = []
+
+    def recording(gm: torch.fx.GraphModule, inputs: list) -> object:
+        seen.append(config.force_non_lazy_backward_lowering)
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+
+    layer = nn.Linear(4, 4)
+    compiled.apply([layer], compiled.compile_options({"backend": recording}), fallback=True)
+    layer._roundpipe_replica = "cpu"
+    try:
+        for rows in (3, 5, 1):  # the first compile; the same code; a recompile for the size-1 batch
+            layer(torch.randn(rows, 4)).sum().backward()
+    finally:
+        compiled.remove([layer])
+    assert seen == [True, False]
+    assert not config.force_non_lazy_backward_lowering  # off again on this thread
 
 
 def test_an_error_of_running_compiled_code_gets_no_compile_note():

@@ -126,8 +126,9 @@ def targets(layer: nn.Module) -> list[nn.Module]:
 def apply(layers: Iterable[nn.Module], options: dict[str, Any], fallback: bool = False) -> list[str]:
     """Bind each target's class ``forward``, compiled with ``options``, onto it; returns what was
     compiled, as ``"Qwen3DecoderLayer x28"``-style counts. ``fallback`` (``compile="auto"``): a class whose
-    forward (or the backward graph made with it) fails to compile runs eagerly from then on, with one
-    warning, instead of failing the batch."""
+    forward fails to compile (or, at a variant's first compile, the backward graph made with it) runs
+    eagerly from then on, with one warning, instead of failing the batch. A backward graph that fails in
+    a later recompile still fails its batch at the backward, with the executor's ``compile=False`` note."""
     compiled: dict[type, Any] = {}
     counts: dict[str, int] = {}
     for layer in layers:
@@ -198,7 +199,8 @@ several devices take turns: each restores the value it found (dynamo compiles on
 
 
 def _backward_with_forward() -> contextlib.AbstractContextManager:
-    """AOTAutograd compiling a backward graph with its forward, in this thread, where torch has the switch."""
+    """AOTAutograd compiling a backward graph with its forward, where torch has the switch (for this thread
+    from torch 2.12, for the process before: hence :data:`_FIRST_CALLS`)."""
     if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
