@@ -72,10 +72,10 @@ class GradientUnloads:
                 flight.host_writes.summing[key] = tuple(g for g in grads if g not in overwrite)
             if self.staging_cap is not None and not summed_here:  # a settling batch: no faster than the host adds
                 staged = sum(grad.nbytes for g, grad in grads.items() if g not in overwrite)
-                waiting = time.perf_counter()
                 if staged:
+                    waiting = time.perf_counter()
                     self.collector.room(staged, self.staging_cap, flight.abort)
-                flight.waited("host adds", waiting)
+                    flight.waited("host adds", waiting)
             for g, grad in grads.items():
                 host = self.store.groups[g].grad
                 assert host is not None
