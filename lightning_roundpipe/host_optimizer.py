@@ -6,13 +6,16 @@ machine's 16 cores, 1.7 B parameters of ``AdamW`` took longer than the devices' 
 waited even with the asynchronous optimizer. Their fused CPU kernels run the same algorithm (only the
 rounding may differ), several times faster. :func:`use_fused_kernels` switches every parameter group
 that left both unset to the fused kernel; an explicit choice is kept, with one warning that gives its
-measured cost. :class:`HostStepClock` compares the host's step with the devices' and says, once, when
-the host is the slower of the two.
+measured cost. A fused kernel is used only where it agrees with the unfused step for the parameters'
+dtype on a small probe (torch 2.13's fused CPU SGD leaves bf16 and fp16 parameters unchanged).
+:func:`check_host_step` refuses, at setup, an optimizer the host step cannot run. :class:`HostStepClock`
+compares the host's step with the devices' and says, once, when the host is the slower of the two.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 import warnings
@@ -44,8 +47,9 @@ def _group_fusable(group: dict[str, Any]) -> bool:
 
 
 def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str]:
-    """Give every parameter group that left ``fused`` and ``foreach`` unset the fused kernel; warn once
-    per optimizer that chose otherwise, with the measured cost. Returns what was done, per optimizer."""
+    """Give every parameter group that left ``fused`` and ``foreach`` unset the fused kernel, where it agrees
+    with the unfused step (:func:`fused_disagrees`); warn once per optimizer that chose otherwise, with the
+    measured cost. Returns what was done, per optimizer (``"unfused"``: the kernel disagreed)."""
     done = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
@@ -55,7 +59,8 @@ def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str
         unset = [g for g in optimizer.param_groups if g.get("fused") is None and g.get("foreach") is None]
         unset_ids = {id(g) for g in unset}  # by identity: groups compare by their tensors otherwise
         chosen = [g for g in optimizer.param_groups if id(g) not in unset_ids and not g.get("fused")]
-        switched = [g for g in unset if _group_fusable(g)]
+        refused = _refuse_disagreeing_kernel(optimizer)
+        switched = [g for g in unset if _group_fusable(g) and id(g) not in refused]
         for group in switched:
             group["fused"] = True
         if switched:
@@ -65,8 +70,133 @@ def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str
             optimizer._need_device_dtype_check_for_fused = True
         if chosen and calibrate:
             _warn_explicit_choice(optimizer, chosen)
-        done.append("fused" if switched else "explicit" if chosen else "kept")
+        done.append("fused" if switched else "unfused" if refused else "explicit" if chosen else "kept")
     return done
+
+
+def check_host_step(optimizers: list[Any]) -> None:
+    """Refuse, at setup, an optimizer the host step cannot run: one whose ``step`` needs a closure (it would
+    run the pipeline again inside the step), or one whose step fails on a CPU probe shaped like its
+    parameters (a CUDA-only kernel). Without this the first failure would come from the optimizer thread,
+    a step late, or as a divergence."""
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        name = type(optimizer).__name__
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{name}.step needs a closure that evaluates the loss again, several times per step. Under"
+                " roundpipe a batch's forward and backward run once, in the pipeline, and the step is applied to"
+                " host master weights afterwards (on a host thread, one step later, by default); nothing can"
+                " re-evaluate the loss inside the step. Use a first-order optimizer (torch.optim.AdamW, Adam,"
+                " SGD, Adagrad, RMSprop, ...), or another strategy for this one."
+            )
+        for group in optimizer.param_groups:
+            error = _probe_step(optimizer, group)
+            if error is not None:
+                raise ValueError(
+                    f"roundpipe steps the optimizer on the host (CPU), where the master weights live, but"
+                    f" {name}'s step failed on a CPU probe shaped like its parameters ({type(error).__name__}:"
+                    f" {error}). An optimizer whose kernels need a GPU cannot run there: use torch.optim.AdamW"
+                    " (its fused CPU kernel is the default) or another CPU-capable optimizer."
+                ) from error
+
+
+def _probe_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Exception | None:
+    """The exception of one step of ``optimizer``'s class with ``group``'s settings on a small CPU parameter
+    of its first parameter's dtype and rank, or ``None`` (it ran, or the class cannot be rebuilt)."""
+    first = next((p for p in group["params"] if p.requires_grad), None)
+    if first is None:
+        return None
+    settings = _settings(optimizer, group)
+    settings.update({k: group[k] for k in ("fused", "foreach") if k in group})
+    p = torch.nn.Parameter(torch.randn([min(n, 4) for n in first.shape]).to(first.dtype))
+    try:
+        scratch = type(optimizer)([p], **settings)
+    except Exception:  # its own constructor (the user built it, so it works on the real parameters' terms)
+        return None
+    try:
+        p.grad = torch.randn_like(p)
+        scratch.step()
+    except Exception as error:
+        return error
+    return None
+
+
+PROBE_ELEMENTS = 256
+"""Parameters of the probe a fused kernel is checked on (:func:`fused_disagrees`)."""
+PROBE_LR = 0.1
+"""The probe's learning rate: updates well above the rounding of 16-bit parameters, whatever the user's."""
+DISAGREEMENT = 0.1
+"""Relative difference of the fused kernel's update from the unfused one's beyond which it is not used: bf16
+rounding of an update of ``PROBE_LR`` differs by about 1-2%; a kernel that skips the parameters, by 100%."""
+
+
+def _refuse_disagreeing_kernel(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The groups (by id) whose parameters' dtype makes the fused kernel disagree with the unfused step:
+    those that asked for it explicitly go back to the unfused step, and one warning names the kernel."""
+    refused, seen = set(), []
+    for group in optimizer.param_groups:
+        if group.get("foreach") or group.get("differentiable") or group.get("capturable"):
+            continue
+        settings = _settings(optimizer, group)
+        for dtype in sorted({p.dtype for p in group["params"] if torch.is_floating_point(p)}, key=str):
+            difference = fused_disagrees(type(optimizer), _key(settings), dtype)
+            if difference is None:
+                continue
+            refused.add(id(group))
+            if group.get("fused"):
+                group["fused"] = False
+            seen.append(f"{dtype} parameters ({difference:.0%} apart)")
+    if seen:
+        warnings.warn(
+            f"roundpipe steps {type(optimizer).__name__} on the host with its unfused loop for {', '.join(seen)}:"
+            f" torch {torch.__version__}'s fused CPU kernel did not reproduce the unfused step on a probe of"
+            f" {PROBE_ELEMENTS} parameters (e.g. fused SGD leaves bf16 and fp16 parameters unchanged). Training is"
+            " correct, the host step slower; fp32 master weights (precision='bf16-mixed') take the fused kernel.",
+            stacklevel=outside_package(),
+        )
+    return refused
+
+
+def _settings(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """The group's settings its class's constructor takes, without the parameters and the kernel choice."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "foreach")}
+
+
+def _key(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Hashable settings for the probe's cache (tensors by value; the learning rate is the probe's own)."""
+    plain = lambda v: v.tolist() if isinstance(v, torch.Tensor) else tuple(v) if isinstance(v, list) else v  # noqa: E731
+    return tuple(sorted((k, plain(v)) for k, v in settings.items() if k != "lr"))
+
+
+@functools.cache
+def fused_disagrees(cls: type, settings: tuple[tuple[str, Any], ...], dtype: torch.dtype) -> float | None:
+    """How far ``cls``'s fused CPU kernel's three steps land from its unfused loop's, relative to the unfused
+    update, on a probe of ``dtype``; ``None`` when they agree within rounding (:data:`DISAGREEMENT`) or the
+    probe could not run. Once per class, settings and dtype: a few milliseconds."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(PROBE_ELEMENTS, generator=g)
+    grads = [torch.randn(PROBE_ELEMENTS, generator=g) for _ in range(3)]
+    moved = []
+    try:
+        for fused in (True, False):
+            p = torch.nn.Parameter(start.to(dtype))
+            scratch = cls([p], **dict(settings), lr=PROBE_LR, fused=fused, foreach=False)
+            for grad in grads:
+                p.grad = grad.to(dtype)
+                scratch.step()
+            moved.append(p.detach().double() - start.to(dtype).double())
+    except Exception:  # settings the kernel refuses (the constructor would have said so to the user)
+        return None
+    fused, unfused = moved
+    if not torch.isfinite(unfused).all():  # fp16 Adam's unfused loop overflows; the fused one computes in fp32
+        return None
+    if not torch.isfinite(fused).all():
+        return 1.0
+    difference = ((fused - unfused).norm() / unfused.norm().clamp_min(1e-30)).item()
+    return difference if difference > DISAGREEMENT else None
 
 
 def _warn_explicit_choice(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
@@ -93,8 +223,7 @@ def _warn_explicit_choice(optimizer: torch.optim.Optimizer, groups: list[dict[st
 
 def step_seconds(optimizer: torch.optim.Optimizer, group: dict[str, Any], fused: bool) -> float:
     """One step of ``optimizer``'s class with ``group``'s settings on a scratch tensor (best of three)."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "foreach")}
+    settings = _settings(optimizer, group)
     if fused:
         settings["fused"] = True
     else:

@@ -4,6 +4,7 @@ longer than the devices' is reported once."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import lightning as L
 import pytest
@@ -158,3 +159,72 @@ def test_a_step_the_loss_scaler_skips_leaves_the_fused_optimizer_as_the_unfused_
 
     got, want = run(True), run(False)
     assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-6
+
+
+class Optimized(BoringPipeline):
+    """The boring pipeline with the optimizer a test names, written as users write it (fused/foreach unset)."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        return self.make(self.parameters())
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_bf16_true_with_the_optimizer_left_unset_trains_like_plain_lightning(kind):
+    """torch 2.13's fused CPU SGD leaves bf16 parameters unchanged: switched on by default, the weight
+    matrices would never move (only the biases, through another path). The kernel is probed and kept
+    only where it agrees; every weight moves as plain Lightning's bf16-true moves it, within rounding."""
+    make = OPTIMIZERS[kind]
+    start = fit(lambda: Optimized(make), dict(accelerator="cpu", devices=1, precision="bf16-true", max_steps=0))
+    plain = fit(lambda: Optimized(make), dict(accelerator="cpu", devices=1, precision="bf16-true"))
+    strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=False)
+    ours = fit(lambda: Optimized(make), dict(accelerator="cpu", devices=2, precision="bf16-true", strategy=strategy))
+    before = flat_weights(start).double()
+    theirs, mine = flat_weights(plain).double() - before, flat_weights(ours).double() - before
+    matrices = torch.cat([p.detach().flatten() for n, p in start.named_parameters() if n.endswith("weight")])
+    assert theirs.norm() > 0.05 * matrices.double().norm()
+    assert relative_error(mine, theirs) <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_fused_kernel_that_disagrees_with_the_unfused_step_is_not_used(dtype):
+    unset = torch.optim.SGD([torch.nn.Parameter(torch.randn(8).to(dtype))], lr=0.1, momentum=0.9)
+    chosen = torch.optim.SGD([torch.nn.Parameter(torch.randn(8).to(dtype))], lr=0.1, fused=True)
+    with pytest.warns(UserWarning, match=rf"unfused loop for {dtype} parameters \(100% apart\).*fused SGD leaves"):
+        assert use_fused_kernels([unset, chosen], calibrate=False) == ["unfused", "unfused"]
+    assert unset.param_groups[0]["fused"] is None and chosen.param_groups[0]["fused"] is False
+    fp32 = torch.optim.SGD([torch.nn.Parameter(torch.randn(8))], lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert use_fused_kernels([fp32]) == ["fused"]  # and AdamW on bf16, within rounding: fused
+        assert use_fused_kernels([torch.optim.AdamW([torch.nn.Parameter(torch.randn(8).to(dtype))])]) == ["fused"]
+
+
+def test_an_optimizer_the_host_cannot_step_is_refused_at_setup():
+    """LBFGS re-evaluates the loss through a closure inside its step; an optimizer whose kernel needs a GPU
+    fails on the host's CPU tensors: both are refused before the first batch, saying why."""
+
+    class CudaOnly(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("this kernel runs on CUDA tensors only")
+
+    cases = {
+        "LBFGS.step needs a closure": lambda params: torch.optim.LBFGS(params),
+        "CudaOnly's step failed on a CPU probe": lambda params: CudaOnly(params, lr=0.1),
+    }
+    for message, make in cases.items():
+        for async_optimizer in (False, True):
+            strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=async_optimizer)
+            with pytest.raises(ValueError, match=message):
+                fit(lambda make=make: Optimized(make), dict(strategy=strategy, accelerator="cpu", devices=2))
