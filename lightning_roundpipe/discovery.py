@@ -93,8 +93,9 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
     if hf_model is not None:
         from lightning_roundpipe.models import hf
 
-        layers = hf.build_layers(hf_model, options.split_decoder_layers, options.tile_tokens)
-        check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} preset's layers")
+        layers, how = hf.pipeline_layers(hf_model, options.split_decoder_layers, options.tile_tokens, options.hf_stages)
+        rank_zero_info(f"roundpipe: {how}")
+        check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} stages' layers")
         return Pipelined(layers, hf_model=hf_model)
     if options.kernels == "liger":
         raise ValueError(

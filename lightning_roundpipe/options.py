@@ -19,6 +19,7 @@ from lightning_roundpipe.schedule.choose import PLANNERS
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
+HF_STAGES = ("auto", "table", "generic")
 KERNELS = ("auto", "liger", "none")
 
 
@@ -93,6 +94,13 @@ class RoundPipeOptions:
     backward; a backward stage recomputes them tile by tile (one more forward of them per backward), so
     one tile's intermediates bound their memory instead of the whole sequence's. For sequences too long
     for one layer's activations (e.g. 16384)."""
+    hf_stages: str = "auto"
+    """How a Hugging Face causal LM is cut into stages: ``"auto"`` takes the architecture table's stages where
+    its class has an entry (docs/architectures.md: they split blocks, tile tokens and bind Liger's block
+    kernels), and otherwise the generic path, which runs the model's own code around its blocks (any decoder
+    whose base model keeps its blocks in a ``ModuleList``; checked against the model on a probe at setup);
+    ``"generic"`` takes the generic path for every model; ``"table"`` refuses a class without an entry. A
+    log line says which one a model took and why."""
     kernels: str = "auto"
     """Faster kernels in a Hugging Face model's stages: ``"auto"`` uses liger-kernel's Triton RMSNorm,
     SwiGLU, rotary embedding and fused linear cross-entropy when liger-kernel is installed and the workers
@@ -135,6 +143,8 @@ class RoundPipeOptions:
             )
         if self.kernels not in KERNELS:
             raise ValueError(f"RoundPipeStrategy(kernels={self.kernels!r}) must be one of {KERNELS}")
+        if self.hf_stages not in HF_STAGES:
+            raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
         compile_options(self.compile)
         self.gpu_memory = parse_memory(self.gpu_memory)
         given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)

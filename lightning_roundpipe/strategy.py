@@ -60,6 +60,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers: a Hugging Face model's blocks become attention and MLP layers.
         tile_tokens: with ``split_decoder_layers``, run token-wise parts over this many tokens at a time.
+        hf_stages: a Hugging Face model's stages: ``"auto"`` (the table's, else generic), ``"generic"``, ``"table"``.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
         compile: ``torch.compile`` of the layers: ``"auto"`` (HF blocks on CUDA), ``True``, ``False`` or its kwargs.
         evaluate_hf_in_pipeline: a Hugging Face model's validation/test loss goes through the pipeline.
@@ -85,6 +86,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
+        hf_stages: str = "auto",
         kernels: str = "auto",
         compile: bool | str | dict[str, Any] = "auto",
         evaluate_hf_in_pipeline: bool = True,
@@ -99,7 +101,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             planner=planner, check_every=check_every, replan_margin=replan_margin, overlap=overlap,
             gpu_memory=gpu_memory, async_optimizer=async_optimizer, double_buffer=double_buffer,
             host_memory_check=host_memory_check, split_decoder_layers=split_decoder_layers, tile_tokens=tile_tokens,
-            kernels=kernels, compile=compile, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline, timeout=timeout,
+            hf_stages=hf_stages, kernels=kernels, compile=compile, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline,
+            timeout=timeout,
         )  # fmt: skip
         super().__init__(
             self.options.timeout, accelerator=accelerator, parallel_devices=parallel_devices,

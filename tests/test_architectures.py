@@ -69,11 +69,12 @@ def tiny(arch: str) -> torch.nn.Module:
 
 
 def assert_equals_the_model_run_directly(
-    model: torch.nn.Module, split: bool, tile_tokens: int | None = None, tolerance: float = 1e-5, compile: bool = False
-) -> None:
+    model: torch.nn.Module, split: bool, tile_tokens: int | None = None, tolerance: float = 1e-5, compile: bool = False,
+    path: str = "auto",
+) -> None:  # fmt: skip
     reference = copy.deepcopy(model)
     batch = padded_batch()
-    layers = hf.build_layers(model, split_decoder_layers=split, tile_tokens=tile_tokens)
+    layers = hf.build_layers(model, split_decoder_layers=split, tile_tokens=tile_tokens, path=path)
     if compile:  # as the default does on a GPU, with a backend that runs the traced graphs as they are
         assert compiled.apply(layers, compiled.compile_options({"backend": "aot_eager", "fullgraph": True}))
         before = compilations()
@@ -170,7 +171,10 @@ def test_a_model_unlike_its_entry_and_a_switch_the_stages_do_not_make_are_refuse
         hf.build_layers(gemma)
 
 
-def test_a_subclass_running_its_parents_forward_takes_the_parents_entry_and_one_overriding_it_is_refused():
+def test_a_subclass_running_its_parents_forward_takes_the_parents_entry_and_one_overriding_it_the_generic_path():
+    """A subclass that overrides ``forward`` may compute anything: the table's entry is not its description,
+    the generic path runs its own code."""
+
     class Renamed(transformers.LlamaForCausalLM):
         def describe(self) -> str:
             return "a method added, the arithmetic unchanged"
@@ -180,5 +184,6 @@ def test_a_subclass_running_its_parents_forward_takes_the_parents_entry_and_one_
             return super().forward(*args, **kwargs)
 
     assert_equals_the_model_run_directly(Renamed(tiny("llama").config), split=True)
-    with pytest.raises(ValueError, match="no preset for Rewired"):
-        hf.build_layers(Rewired(tiny("llama").config))
+    rewired = Rewired(tiny("llama").config)
+    assert "Rewired takes the generic path" in hf.pipeline_layers(copy.deepcopy(rewired))[1]
+    assert_equals_the_model_run_directly(rewired, split=False)

@@ -26,21 +26,28 @@ import torch
 from torch import Tensor, nn
 
 
-def tiled(module: nn.Module, fn: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int | None) -> Tensor:
+def tiled(
+    module: nn.Module, fn: Callable[..., Tensor], x: Tensor, tile_tokens: int | None, side: Tensor | None = None
+) -> Tensor:
     """``fn(x)`` for a token-wise ``fn`` (each position along every dimension but the last is computed
     alone), at most ``tile_tokens`` tokens at a time; ``None`` or a sequence that fits in one tile is
     one plain call. A tile keeps ``x``'s rank: all leading dimensions but the last one are 1 (a
     ``(batch, sequence, hidden)`` input gives ``(1, tile, hidden)`` tiles). ``fn`` may use only tensors
     that ``module`` holds (its parameters and buffers): they are the ones bound again for the recompute
     in backward. Random draws are refused where they can be seen (dropout modules in training mode);
-    ``fn`` must not draw any other way either (``F.dropout``)."""
+    ``fn`` must not draw any other way either (``F.dropout``). ``side``: a tensor of one value per token
+    (``x``'s shape without its last dimension, no gradient), cut into the same tiles: ``fn(tile,
+    side_tile)``."""
+    if side is not None and side.shape != x.shape[:-1]:
+        raise ValueError(f"side {tuple(side.shape)} must match the tokens of {tuple(x.shape)}")
+    whole = (lambda x: fn(x)) if side is None else (lambda x: fn(x, side))
     if tile_tokens is None:
-        return fn(x)
+        return whole(x)
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens={tile_tokens} must be at least 1")
     tokens = x.numel() // x.shape[-1] if x.dim() else 1
     if x.dim() < 2 or tokens <= tile_tokens:
-        return fn(x)
+        return whole(x)
     for m in module.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
             raise ValueError(
@@ -50,8 +57,8 @@ def tiled(module: nn.Module, fn: Callable[[Tensor], Tensor], x: Tensor, tile_tok
             )
     names, tensors = _held(module)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(t.requires_grad for t in tensors)):
-        return _forward(fn, x, tile_tokens)
-    return _Tiled.apply(module, fn, names, tile_tokens, x, *tensors)
+        return _forward(fn, x, tile_tokens, side)
+    return _Tiled.apply(module, fn, names, tile_tokens, side, x, *tensors)
 
 
 def _held(module: nn.Module) -> tuple[list[str], list[Tensor]]:
@@ -65,12 +72,22 @@ def _tokens(x: Tensor) -> Tensor:
     return x.reshape((1,) * (x.dim() - 2) + (-1, x.shape[-1]))
 
 
-def _forward(fn: Callable[[Tensor], Tensor], x: Tensor, tile_tokens: int) -> Tensor:
+def _side_tokens(side: Tensor) -> Tensor:
+    """``side`` as one row of tokens: ``(1, ..., 1, tokens)``."""
+    return side.reshape((1,) * (side.dim() - 1) + (-1,))
+
+
+def _call(fn: Callable[..., Tensor], tile: Tensor, side: Tensor | None, window: slice) -> Tensor:
+    return fn(tile) if side is None else fn(tile, side[..., window])
+
+
+def _forward(fn: Callable[..., Tensor], x: Tensor, tile_tokens: int, side: Tensor | None = None) -> Tensor:
     """The tiles' outputs written into one buffer as they come: never the tiles and their join at once."""
     rows = _tokens(x)
+    sides = None if side is None else _side_tokens(side)
     total, out = rows.shape[-2], None
     for start in range(0, total, tile_tokens):
-        y = fn(rows[..., start : start + tile_tokens, :])
+        y = _call(fn, rows[..., start : start + tile_tokens, :], sides, slice(start, start + tile_tokens))
         if not isinstance(y, Tensor):
             raise TypeError(f"a tiled function must return one tensor per tile, got {type(y).__name__}")
         if out is None:
@@ -103,14 +120,15 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, module: nn.Module, fn: Callable[[Tensor], Tensor], names: list[str], tile_tokens: int,
-        x: Tensor, *tensors: Tensor,
+        ctx: Any, module: nn.Module, fn: Callable[..., Tensor], names: list[str], tile_tokens: int,
+        side: Tensor | None, x: Tensor, *tensors: Tensor,
     ) -> Tensor:  # fmt: skip
         device = x.device.type
         ctx.module, ctx.fn, ctx.names, ctx.tile_tokens = module, fn, names, tile_tokens
+        ctx.sides = None if side is None else _side_tokens(side)
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, *tensors)
-        return _forward(fn, x, tile_tokens)
+        return _forward(fn, x, tile_tokens, side)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -118,8 +136,8 @@ class _Tiled(torch.autograd.Function):
         device = x.device
         rows = _tokens(x)
         grads_out = _tokens(grad_out)
-        grad_x = torch.zeros_like(rows) if ctx.needs_input_grad[4] else None
-        wanted = [i for i, t in enumerate(held) if ctx.needs_input_grad[5 + i]]
+        grad_x = torch.zeros_like(rows) if ctx.needs_input_grad[5] else None
+        wanted = [i for i, t in enumerate(held) if ctx.needs_input_grad[6 + i]]
         sums: dict[int, Tensor] = {}  # low-precision weights sum their tiles' gradients in fp32
         enabled, dtype = ctx.autocast
         # no autocast cache: each tile's weights are new leaves, and a cache would keep every tile's casts
@@ -130,7 +148,7 @@ class _Tiled(torch.autograd.Function):
                 tile = rows[window].detach().requires_grad_(grad_x is not None)
                 tensors = tuple(t.detach().requires_grad_(i in wanted) for i, t in enumerate(held))
                 with _bound(ctx.module, ctx.names, tensors), recompute:
-                    out = ctx.fn(tile)
+                    out = _call(ctx.fn, tile, ctx.sides, window[-2])
                 inputs = ([tile] if grad_x is not None else []) + [tensors[i] for i in wanted]
                 grads = torch.autograd.grad(out, inputs, grads_out[window], allow_unused=True)
                 if grad_x is not None:
@@ -145,4 +163,4 @@ class _Tiled(torch.autograd.Function):
                     else:
                         sums[i] = g.float() if g.dtype in (torch.bfloat16, torch.float16) else g.clone()
         weight_grads = [sums[i].to(held[i].dtype) if i in sums else None for i in range(len(held))]
-        return (None, None, None, None, None if grad_x is None else grad_x.view_as(x), *weight_grads)
+        return (None, None, None, None, None, None if grad_x is None else grad_x.view_as(x), *weight_grads)

@@ -54,10 +54,27 @@ PRESETS: dict[str, Callable[..., list[nn.Module]]] = {name: decoder_layers for n
 that can split each decoder block into an attention layer and an MLP layer also takes ``split=True``."""
 
 
+PATHS = ("auto", "table", "generic")
+"""``RoundPipeStrategy(hf_stages=...)``: ``"auto"`` takes the architecture table's stages where the model's class
+has an entry and the generic path (:mod:`.anatomy`) otherwise; ``"table"`` only the table; ``"generic"`` the
+generic path for every model."""
+
+
 def build_layers(
-    model: nn.Module, split_decoder_layers: bool = False, tile_tokens: int | None = None
+    model: nn.Module, split_decoder_layers: bool = False, tile_tokens: int | None = None, path: str = "auto"
 ) -> list[nn.Module]:
-    """The layer sequence for a supported Hugging Face causal LM; a clear error otherwise.
+    """The layer sequence for a Hugging Face causal LM (see :func:`pipeline_layers`)."""
+    return pipeline_layers(model, split_decoder_layers, tile_tokens, path)[0]
+
+
+def pipeline_layers(
+    model: nn.Module, split_decoder_layers: bool = False, tile_tokens: int | None = None, path: str = "auto"
+) -> tuple[list[nn.Module], str]:
+    """The layer sequence for a Hugging Face causal LM, and a line saying which path it took and why; a
+    clear error for a model neither path can run.
+
+    ``path`` (:data:`PATHS`): the architecture table's stages, with what they do faster, or the generic
+    path's, which run the model's own code around its blocks and need no entry.
 
     ``split_decoder_layers``: each decoder block becomes two layers, attention and MLP, with the same
     arithmetic. A stage can then end inside a block: one stage's activations are about half a block's
@@ -65,6 +82,8 @@ def build_layers(
     the split): the token-wise parts of each layer (the MLP with its norm, the attention's input norm)
     run over at most that many tokens at a time and keep only their inputs
     (:mod:`~lightning_roundpipe.models.tiling`)."""
+    if path not in PATHS:
+        raise ValueError(f"RoundPipeStrategy(hf_stages={path!r}) must be one of {PATHS}")
     if tile_tokens is not None:
         if not split_decoder_layers:
             raise ValueError(
@@ -83,27 +102,37 @@ def build_layers(
             " not follow. `target_modules='all-linear'` does this to a mixture of experts' experts and router;"
             " target the linear layers instead, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
         )
-    preset = PRESETS.get(name) or _inherited(hf)
-    if preset is None:
+    preset = None if path == "generic" else PRESETS.get(name) or _inherited(hf)
+    if preset is None and path == "table":
         raise ValueError(
-            f"roundpipe has no preset for {name}; supported: {sorted(PRESETS)}. If its blocks are the model's"
-            " decoder layers, add one line to `lightning_roundpipe.models.hf.FAMILIES` saying what differs from"
-            " Llama's shape (docs/architectures.md); otherwise add to `lightning_roundpipe.models.hf.PRESETS` a"
-            " function of the model returning its layers as modules, or keep the model as an `nn.Sequential`"
-            " and train it with `lightning_roundpipe.pipeline_loss`."
+            f"roundpipe's architecture table has no entry for {name}; it has {sorted(PRESETS)}. Use"
+            " RoundPipeStrategy(hf_stages='auto') (the generic path runs the model's own code around its blocks)."
         )
+    if preset is None:
+        if split_decoder_layers:
+            why = "its class has no entry in the architecture table" if path == "auto" else "hf_stages='generic'"
+            raise ValueError(
+                f"split_decoder_layers=True cuts blocks in two as the architecture table's entry says; {name} takes"
+                f" the generic path ({why}), whose blocks run whole. Use split_decoder_layers=False."
+            )
+        from lightning_roundpipe.models.hf.anatomy import generic_layers
+
+        layers, how = generic_layers(hf)
+        why = "hf_stages='generic'" if path == "generic" else "its class has no entry in the architecture table"
+        return layers, f"{name} takes the generic path ({why}): {how}"
+    note = f"{name} takes the architecture table's stages"
     if not split_decoder_layers:
-        return preset(hf)
+        return preset(hf), note
     if "split" not in inspect.signature(preset).parameters:
         raise ValueError(
             f"the {name} preset cannot split decoder layers (its function takes no `split` argument); use"
             " RoundPipeStrategy(split_decoder_layers=False) or give the preset a `split` keyword"
         )
     if tile_tokens is None:
-        return preset(hf, split=True)
+        return preset(hf, split=True), note + ", blocks split in two"
     if "tile_tokens" not in inspect.signature(preset).parameters:
         raise ValueError(f"the {name} preset cannot tile its layers (its function takes no `tile_tokens`)")
-    return preset(hf, split=True, tile_tokens=tile_tokens)
+    return preset(hf, split=True, tile_tokens=tile_tokens), note + f", blocks split in two, tiled by {tile_tokens}"
 
 
 def _inherited(model: nn.Module) -> Callable[..., list[nn.Module]] | None:

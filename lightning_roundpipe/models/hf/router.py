@@ -9,17 +9,19 @@ from torch import Tensor, nn
 
 
 class _RouterLogits(list):
-    """Collects the router's logits while the block runs (nothing when there is no router)."""
+    """Collects the router's logits (its output ``index`` where it returns several) while the block runs
+    (nothing when there is no router)."""
 
-    def __init__(self, router: nn.Module | None) -> None:
+    def __init__(self, router: nn.Module | None, index: int = 0) -> None:
         super().__init__()
         self.router = router
+        self.index = index
         self.handle: Any = None
 
     def __enter__(self) -> _RouterLogits:
         if self.router is not None:
             self.handle = self.router.register_forward_hook(
-                lambda _m, _i, out: self.append(out[0] if isinstance(out, tuple) else out)
+                lambda _m, _i, out: self.append(out[self.index] if isinstance(out, tuple) else out)
             )
         return self
 
