@@ -25,6 +25,8 @@
 #        Liger's kernels inside them, full card; and at 24 GiB) defaults defaults-newcomer defaults-4b defaults-8b ab-24gib (issue 24:
 #        compile="auto")
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
+#        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
+#        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
 set -u
 OUT=${OUT:-gpu-out}
@@ -160,6 +162,14 @@ for step in "${steps[@]}"; do
         --config-timeout 130 --out "$OUT/defaults-newcomer.json"
       run defaults-24gib 150 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
         --config-timeout 140 --out "$OUT/defaults-24gib.json" ;;
+    generic)  # issue 38: the table's stages against the generic path, full card, one call. About 200 s
+      run generic 260 python benchmarks/lightning_user.py --configs newcomer,newcomer-generic --warmup 10 --steps 6 \
+        --config-timeout 125 --out "$OUT/generic.json" ;;
+    generic-24gib)  # issue 38: families without an entry, 2-3 B parameters, every default, 24 GiB. About 330 s
+      for model in cohere-2b deepseek-v3-3b; do
+        run "generic-$model" 200 python benchmarks/lightning_user.py --model "$model" --gpu-gib 24 --configs newcomer \
+          --warmup 14 --steps 4 --config-timeout 190 --out "$OUT/generic-$model.json"
+      done ;;
     ab-24gib)  # the default at 24 GiB from another commit's tree and from this one, in one call (39,760 on
       # 2471c9c against 40,523 on d1e679c, different calls). AB_TREE: that tree, e.g. made with
       # `git archive d1e679c | tar -x -C .ab` and carried (run(carry=[".ab"])). On a cold machine the first

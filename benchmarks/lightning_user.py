@@ -14,6 +14,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer``: ``strategy="roundpipe"`` and the module exactly as above (every default: on the GPU each
   block compiled, with liger-kernel installed its fused cross-entropy in the output stage);
 - ``newcomer-nokernels``: ``RoundPipeStrategy(kernels="none")`` (transformers' own modules, the chunked loss);
+- ``newcomer-generic``: ``RoundPipeStrategy(hf_stages="generic")`` (the model's own code around its blocks instead
+  of the architecture table's stages: what a model without an entry gets);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
@@ -33,6 +35,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   installed, its kernels in the blocks: the default until 2026-12-02's eighth session);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
   nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
+
+``--model`` also takes shapes of other families, built from transformers' classes with random weights
+(:data:`OTHER_MODELS`: a Cohere shape and a DeepSeek-V3 shape of 2-3 B parameters, which take the generic path).
 
 One process per configuration (``_driver``); ``--gpu-gib`` caps the card. Reported: tokens/s between the
 optimizer steps after ``--warmup`` (roundpipe's first steps measure the layers and choose its plan),
@@ -94,6 +99,39 @@ def qwen3(shape: Shape, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     model = model.to_empty(device="cpu")
     if shape.tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    return init_hf(model, config, tile=1 << 20)
+
+
+OTHER_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, config): 2-3 B parameters, families without an entry in roundpipe's table
+    "cohere-2b": ("CohereConfig", "CohereForCausalLM", dict(
+        vocab_size=256000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=8, logit_scale=0.0625, tie_word_embeddings=True, max_position_embeddings=1 << 17,
+    )),  # 2.03 B: Cohere's vocabulary, LayerNorm, a scale on the logits
+    "deepseek-v3-3b": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=129280, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False, max_position_embeddings=1 << 17,
+    )),  # 2.95 B: multi-head latent attention, 16 routed experts (4 per token) and a shared one, a dense first block
+}  # fmt: skip
+
+
+def other_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A model of :data:`OTHER_MODELS` with random weights (as :func:`qwen3`; buffers other than the rotary
+    tables, such as DeepSeek-V3's routing bias, start at zero)."""
+    import transformers
+
+    config_name, model_name, settings = OTHER_MODELS[name]
+    config = getattr(transformers, config_name)(**settings)
+    with torch.device("meta"):
+        model = getattr(transformers, model_name)(config).to(dtype)
+    model = model.to_empty(device="cpu")
+    for buffer_name, buffer in model.named_buffers():
+        if "inv_freq" not in buffer_name:
+            buffer.zero_()
+    if config.tie_word_embeddings:
+        model.tie_weights()
     return init_hf(model, config, tile=1 << 20)
 
 
@@ -234,6 +272,8 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
+    if config == "newcomer-generic":
+        return RoundPipeStrategy(hf_stages="generic"), False
     if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
     if config == "newcomer-db":
@@ -251,28 +291,31 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
-        " newcomer-chunked, newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split, newcomer-sync,"
+        " newcomer-chunked, newcomer-generic, newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
+        " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N (roundpipe's: -compile or -eager after it)"
     )
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
-    shape = SHAPES[args.model]
+    shape = SHAPES.get(args.model)
     cuda = args.device == "cuda"
     if cuda and args.gpu_gib:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
     L.seed_everything(0, verbose=False)
     compile_with = {"backend": args.compile_backend} if args.compile_backend else True
-    strategy, fused = strategy_for(args.run, shape.layers + 2, compile_with)  # the blocks, embedding and head
+    dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
     plain = args.run.startswith("plain")
     if args.run == "plain-liger":  # as Liger's README says: patch transformers' Qwen3 before building the model
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
         apply_liger_kernel_to_qwen3()
     resident = ResidentMemory()
-    model = qwen3(shape, torch.bfloat16 if args.precision == "bf16-true" else torch.float32)
+    model = qwen3(shape, dtype) if shape is not None else other_model(args.model, dtype)
     built_gib = resident.reading()
+    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+    strategy, fused = strategy_for(args.run, layers + 2, compile_with)  # the blocks, embedding and head
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
@@ -284,7 +327,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
     accumulate = args.seqs // per_batch
-    data = DataLoader(Tokens(shape.vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
+    data = DataLoader(Tokens(vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
     clock = Clock(args.warmup, args.warmup + args.steps, resident)
     anatomy = Anatomy(args.warmup + args.steps, args.profile_steps)
     trainer = L.Trainer(
@@ -312,7 +355,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_s = args.seqs * args.seq_len * timed / seconds
     result: dict[str, Any] = {
         "tokens_per_s": tokens_per_s,
-        "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12,
+        "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12 if shape else None,
         "parameters": parameters,
         "seqs": args.seqs,
         "seq_len": args.seq_len,
@@ -522,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="plain,newcomer,tuned-4")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted([*SHAPES, *OTHER_MODELS]))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
     parser.add_argument("--seq-len", type=int, default=2048)

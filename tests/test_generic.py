@@ -80,16 +80,20 @@ def test_every_table_family_forced_through_the_generic_path_equals_the_model_run
 
 
 def test_the_loss_takes_the_fastest_way_that_gives_the_models_own():
-    """A plain head and the standard loss: chunked cross-entropy on the head's input. Logits scaled, divided or
-    soft-capped token by token (Cohere, Granite, Gemma): the model's code over tiles of tokens. A loss that
-    is not per token: the model's own, over whole logits."""
-    modes = {
-        "llama": hf.pipeline_layers(tiny("llama"), path="generic")[0][-1].mode,
-        "granite": hf.pipeline_layers(tiny("granite"), path="generic")[0][-1].mode,
-        "gemma2": hf.pipeline_layers(tiny("gemma2"), path="generic")[0][-1].mode,
-        "cohere": hf.pipeline_layers(generic_model("cohere"))[0][-1].mode,
+    """A plain head and the standard loss: chunked cross-entropy on the head's input, which the model's constant
+    logit scale (Cohere's ``logit_scale``, Granite's ``logits_scaling``) multiplies. Logits soft-capped (Gemma):
+    the model's code over tiles of tokens. A loss that is not per token: the model's own, over whole logits."""
+    built = {
+        "llama": hf.pipeline_layers(tiny("llama"), path="generic"),
+        "granite": hf.pipeline_layers(tiny("granite"), path="generic"),
+        "gemma2": hf.pipeline_layers(tiny("gemma2"), path="generic"),
+        "cohere": hf.pipeline_layers(generic_model("cohere")),
     }
-    assert modes == {"llama": "chunked", "granite": "tiled", "gemma2": "tiled", "cohere": "tiled"}
+    modes = {arch: (layers[-1].mode, layers[-1].scale) for arch, (layers, _) in built.items()}
+    assert modes == {
+        "llama": ("chunked", None), "granite": ("chunked", 0.25), "gemma2": ("tiled", None), "cohere": ("chunked", 0.5)
+    }  # fmt: skip
+    assert "the logits scaled by 0.5" in built["cohere"][1] and "over tiles of tokens" in built["gemma2"][1]
 
     class Normalised(transformers.LlamaForCausalLM):  # logits minus their mean over the sequence: not per token
         def forward(self, *args, **kwargs):
@@ -230,7 +234,7 @@ class Cached(transformers.LlamaModel):
     [
         (Reading, r"block 0 is handed the embeddings \(as `first`\)"),
         (Tokens, r"block 0's `tokens` depends on the token ids"),
-        (Cached, r"block 0 is handed a cache \(`cache`\) that persists across blocks"),
+        (Cached, r"block 0 is handed a cache \(`(cache|past_key_values)`\) that persists across blocks"),
     ],
 )
 def test_what_the_stages_cannot_carry_is_refused_naming_it(base, message):

@@ -69,9 +69,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         counted = labels != ignore_index
         n = counted.sum()
         denom = n.clamp_min(1).to(torch.float32)
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        # under no_grad (forward stages, evaluation) nothing needs a gradient: the loss alone
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
-        if weight.requires_grad:
+        if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):

@@ -452,14 +452,18 @@ def _output_stage(anatomy: Anatomy, state: tuple[Any, ...], want: Tensor) -> tup
     model = anatomy.model
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_children() if m is head), None)
-    tried = []
+    tried, scale = [], None
     for mode in ("chunked", "tiled", "model"):
         if mode == "chunked" and (head_name is None or type(head) is not nn.Linear or head.bias is not None):
             tried.append("the head is not a plain linear layer without bias")
             continue
         if mode == "chunked":
+            scale = _logit_scale(anatomy, state, head)
+            if scale is False:
+                tried.append("the logits are not the head's output times a constant")
+                continue
             stage = GenericOutput(_top(anatomy, set(), _tail(anatomy), **{head_name: HeadInput()}), anatomy.last,
-                                  mode, head=head, chunk_tokens=5)  # fmt: skip
+                                  mode, head=head, chunk_tokens=5, scale=scale)  # fmt: skip
         elif mode == "tiled":
             given = _top(anatomy, set(), Given())
             stage = GenericOutput(_top(anatomy, set(), Captured(_tail(anatomy))), anatomy.last, mode, given=given,
@@ -473,9 +477,33 @@ def _output_stage(anatomy: Anatomy, state: tuple[Any, ...], want: Tensor) -> tup
             continue
         if _close(got, want):
             stage.chunk_tokens, stage.aux_coef = CHUNK_TOKENS, anatomy.aux_coef
-            return stage, _MODE_NOTES[mode] + (f" ({'; '.join(tried)})" if tried else "")
+            note = _MODE_NOTES[mode] + (
+                "" if scale is None or mode != "chunked" else f", the logits scaled by {scale:g}"
+            )
+            return stage, note + (f" ({'; '.join(tried)})" if tried else "")
         tried.append(f"the {mode} loss {got.item():.6g} is not the model's {want.item():.6g}")
     raise refuse(model, f"no way of computing its loss gave the model's own ({'; '.join(tried)})")
+
+
+def _logit_scale(anatomy: Anatomy, state: tuple[Any, ...], head: nn.Module) -> float | bool | None:
+    """What the model multiplies its head's output by before the loss (Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``): ``None`` for nothing, ``False`` when the logits are not a constant times the
+    head's output (a soft cap, a bias, a function of the tokens)."""
+    seen: list[Tensor] = []
+    hook = head.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        out, _ = run(_top(anatomy, set(), _tail(anatomy)), replacing_last(anatomy.last, state[0]), **_inputs(state))
+    finally:
+        hook.remove()
+    logits = getattr(out, "logits", None)
+    if len(seen) != 1 or not isinstance(logits, Tensor) or logits.shape != seen[0].shape:
+        return False
+    z, logits = seen[0].double(), logits.double()
+    if torch.equal(z, logits):
+        return None
+    scale = ((z * logits).sum() / (z * z).sum().clamp_min(1e-30)).item()
+    tolerance = 1e-6 if seen[0].dtype == torch.float32 else 1e-2
+    return scale if torch.allclose(logits, scale * z, rtol=tolerance, atol=tolerance * z.abs().max().item()) else False
 
 
 _MODE_NOTES = {

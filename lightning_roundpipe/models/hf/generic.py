@@ -171,7 +171,7 @@ class GenericOutput(nn.Module):
 
     def __init__(
         self, shell: nn.Module, last: int, mode: str, head: nn.Module | None = None, given: nn.Module | None = None,
-        aux_coef: float = 0.0, chunk_tokens: int = CHUNK_TOKENS,
+        aux_coef: float = 0.0, chunk_tokens: int = CHUNK_TOKENS, scale: float | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         if mode not in HEAD_MODES:
@@ -181,6 +181,9 @@ class GenericOutput(nn.Module):
         self.head = head
         """The LM head (``"chunked"``: its weight is the chunked loss's; otherwise it lives in the shells)."""
         self.last, self.mode, self.aux_coef, self.chunk_tokens = last, mode, aux_coef, chunk_tokens
+        self.scale = scale
+        """``"chunked"``: the constant the model multiplies the head's output by (Cohere's ``logit_scale``), applied
+        to the head's input instead (the same product up to rounding; checked on the probe)."""
         self.no_router_logits = {"output_router_logits": False} if hasattr(shell.config, "output_router_logits") else {}
         self.fused_loss: bool | None = False if mode == "chunked" else None
         """Liger's fused linear cross-entropy on CUDA tensors (:mod:`.kernels`), ``"chunked"`` mode only."""
@@ -198,6 +201,8 @@ class GenericOutput(nn.Module):
             if x is None:
                 raise RuntimeError("the model's forward returned without calling its LM head")
             assert self.head is not None
+            if self.scale is not None:
+                x = x * self.scale
             targets = shift_labels(labels)
             if self.fused_loss and x.is_cuda:
                 loss = fused_linear_cross_entropy(x, self.head.weight, targets, IGNORE_INDEX)
