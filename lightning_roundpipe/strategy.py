@@ -11,6 +11,7 @@ them; the optimizer steps the host master weights, on a host thread in the async
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -96,14 +97,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        self.options = RoundPipeOptions(
-            num_microbatches=num_microbatches, num_rounds=num_rounds, plan=plan, profile_steps=profile_steps,
-            planner=planner, check_every=check_every, replan_margin=replan_margin, overlap=overlap,
-            gpu_memory=gpu_memory, async_optimizer=async_optimizer, double_buffer=double_buffer,
-            host_memory_check=host_memory_check, split_decoder_layers=split_decoder_layers, tile_tokens=tile_tokens,
-            hf_stages=hf_stages, kernels=kernels, compile=compile, evaluate_hf_in_pipeline=evaluate_hf_in_pipeline,
-            timeout=timeout,
-        )  # fmt: skip
+        arguments = locals()  # every argument but the Trainer's four is an option of the same name
+        self.options = RoundPipeOptions(**{f.name: arguments[f.name] for f in dataclasses.fields(RoundPipeOptions)})
         super().__init__(
             self.options.timeout, accelerator=accelerator, parallel_devices=parallel_devices,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,

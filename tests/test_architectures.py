@@ -160,7 +160,9 @@ def test_the_table_holds_every_architecture_the_tests_run():
     assert {CONFIGS[a][1] for a in CONFIGS} == set(hf.FAMILIES)
 
 
-def test_a_model_unlike_its_entry_and_a_switch_the_stages_do_not_make_are_refused():
+def test_a_model_unlike_its_entry_and_a_switch_the_stages_do_not_make_take_the_generic_path():
+    """The table refuses what its entry does not describe; under ``hf_stages="auto"`` the generic path trains it
+    with the model's own code (Gemma 3's bidirectional attention masks included)."""
     model = tiny("llama")
     family = hf.Family(halves=hf.families.SANDWICH)
     with pytest.raises(ValueError, match=r"expects decoder blocks with the norms .*but block 0 has"):
@@ -168,7 +170,10 @@ def test_a_model_unlike_its_entry_and_a_switch_the_stages_do_not_make_are_refuse
     gemma = tiny("gemma3")
     gemma.config.use_bidirectional_attention = True
     with pytest.raises(ValueError, match=r"use_bidirectional_attention.*not causal"):
-        hf.build_layers(gemma)
+        hf.build_layers(gemma, path="table")
+    _, how = hf.pipeline_layers(copy.deepcopy(gemma))
+    assert "takes the generic path (the table's entry does not apply: " in how and "use_bidirectional" in how
+    assert_equals_the_model_run_directly(gemma, split=False)
 
 
 def test_a_subclass_running_its_parents_forward_takes_the_parents_entry_and_one_overriding_it_the_generic_path():

@@ -310,3 +310,45 @@ def test_the_models_own_code_follows_its_training_mode():
     with torch.no_grad():
         dropped = layers[0]((batch["input_ids"], batch["attention_mask"], None, batch["labels"]))[0]
     assert (dropped == 0).float().mean() > 0.3 and not torch.equal(dropped, seen[0])
+
+
+def test_without_padding_the_block_arguments_are_made_once_per_shape_and_again_when_the_rope_changes():
+    """No padding mask and plain positions: the arguments depend on the shape alone, so every stage and
+    micro-batch of a worker shares one recording (transformers' packed-positions check waits for the device
+    each time it runs); another length, a rotary module changed in place, or a preamble with trainable
+    weights (GPT-2's position embedding) record again."""
+    from lightning_roundpipe.models.hf import generic
+
+    def count(layers):
+        runs = []
+        for layer in layers[1:-1]:
+            original = type(layer.shell).forward
+            layer.shell.forward = lambda *a, _f=original, _s=layer.shell, **k: runs.append(1) or _f(_s, *a, **k)
+        return runs
+
+    def blocks(layers, ids):
+        state = layers[0]((ids, None, None, ids.clone()))  # a new labels tensor: a new pass
+        for layer in layers[1:-1]:
+            state = layer(state)
+        return state[0]
+
+    generic._RECENT.made = {}
+    model = generic_model("cohere")
+    layers = hf.build_layers(model)
+    runs = count(layers)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = blocks(layers, ids)
+        assert torch.equal(blocks(layers, ids), first) and len(runs) == 1  # two passes, every block: made once
+        blocks(layers, ids[:, :6])
+        assert len(runs) == 2
+        model.model.rotary_emb.inv_freq.mul_(0.25)
+        changed = blocks(layers, ids)
+        assert len(runs) == 3 and not torch.equal(changed, first)
+        assert torch.equal(changed, blocks(hf.build_layers(copy.deepcopy(model)), ids))
+    gpt2 = hf.build_layers(generic_model("gpt2"))
+    assert gpt2[1].watched is None and layers[1].watched is not None
+    runs = count(gpt2)
+    with torch.no_grad():
+        blocks(gpt2, ids), blocks(gpt2, ids)
+    assert len(runs) == 2  # once per pass: its position embedding is trained

@@ -31,6 +31,10 @@ POST_NORM: tuple[Norms, Norms] = ((None, "post_attention_layernorm"), (None, "po
 """OLMo 2: ``h + post_attention_layernorm(attn(h))``, then ``h + post_feedforward_layernorm(mlp(h))``."""
 
 
+class FamilyMismatch(ValueError):
+    """The model is not what its family's entry describes (under ``hf_stages="auto"`` the generic path takes it)."""
+
+
 @dataclass(frozen=True)
 class Family:
     """How one architecture differs from Llama's shape (see the module docstring)."""
@@ -76,15 +80,15 @@ class Family:
         """Refuse a model this entry would run with other arithmetic than its own."""
         for attribute, why in self.refuse:
             if getattr(config, attribute, False):
-                raise ValueError(f"roundpipe cannot pipeline {name} with `{attribute}` set: {why}")
+                raise FamilyMismatch(f"roundpipe's {name} entry cannot pipeline it with `{attribute}` set: {why}")
         expected = {n for half in self.halves for n in half if n is not None}
         for i, layer in enumerate(layers):
             norms = {n for n, m in layer.named_children() if n.endswith("layernorm")}
             if norms != expected:
-                raise ValueError(
+                raise FamilyMismatch(
                     f"roundpipe's {name} entry expects decoder blocks with the norms {sorted(expected)}, but block {i}"
-                    f" has {sorted(norms)}: this model is not the architecture the entry describes. Add an entry for"
-                    " it to `lightning_roundpipe.models.hf.FAMILIES` (docs/architectures.md says how)."
+                    f" has {sorted(norms)}: this model is not the architecture the entry describes (hf_stages='auto'"
+                    " trains it through the generic path, with its own code)"
                 )
 
 

@@ -35,7 +35,7 @@ from lightning_roundpipe.models.hf.attention import _let_go
 from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
 from lightning_roundpipe.models.hf.router import _add_router_sums, _RouterLogits
-from lightning_roundpipe.models.hf.shells import Call, first_input, recorder, replacing_last, run
+from lightning_roundpipe.models.hf.shells import Call, Watched, first_input, recorder, replacing_last, run
 from lightning_roundpipe.models.hf.state import State
 from lightning_roundpipe.models.tiling import tiled
 
@@ -64,7 +64,7 @@ def _own_random_numbers(device: torch.device) -> Iterator[None]:
         generator.set_state(state)
 
 
-def _inputs(state: State) -> dict[str, Any]:
+def stage_inputs(state: State) -> dict[str, Any]:
     """What the base model's ``forward`` is given in every stage after the first: the stage's hidden states
     as ``inputs_embeds`` (without their graph: only what the model derives from the positions and the mask
     is kept), the padding mask and the positions that travel."""
@@ -105,13 +105,16 @@ class GenericBlock(nn.Module):
 
     def __init__(
         self, block: nn.Module, index: int, last: int, shell: nn.Module, model_key: int,
-        router: tuple[str, int] | None = None, top_k: int = 0, sparse: bool = False,
+        router: tuple[str, int] | None = None, top_k: int = 0, sparse: bool = False, watched: Watched | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.block = block
         self.shell = shell
         self.index, self.last, self.model_key = index, last, model_key
         self.router, self.top_k, self.sparse = router, top_k, sparse
+        self.watched = watched
+        """The modules the block arguments are made of, where none holds a trainable parameter: without a
+        padding mask and with plain positions, the arguments depend only on the batch's shape and on them."""
 
     def compile_targets(self) -> tuple[nn.Module, ...]:
         """The block, unless it routes tokens to experts (as the table's mixture-of-experts blocks, eager)."""
@@ -134,14 +137,24 @@ class GenericBlock(nn.Module):
     def _calls(self, state: State) -> dict[int, Call]:
         """The blocks' calls for this micro-batch: recorded by the first block of a stage it meets, shared by
         the blocks after it (the pass is told by its labels, a new tensor at every upload, as for the table's
-        attention inputs)."""
+        attention inputs). Without a padding mask and with plain positions they depend on the shape alone
+        (the probe refused arguments made from the tokens or the embeddings' values) and on the watched
+        modules: recorded once per shape for every stage and micro-batch of the worker. Made in every stage,
+        transformers' check for packed positions waits for the device each time: on one H200 that added about
+        1.4 ms to each measured block (2026-12-03), and the plans made from it were slower."""
         hidden, attention_mask, position_ids, labels, _ = state
-        if labels is None:
-            return self._record(state)
-        made: dict[int, tuple[Any, ...]] | None = getattr(_RECENT, "made", None)
+        made: dict[Any, tuple[Any, ...]] | None = getattr(_RECENT, "made", None)
         if made is None:
             made = _RECENT.made = {}
         shape = (*hidden.shape[:2], hidden.dtype, hidden.device, torch.is_inference_mode_enabled())
+        if attention_mask is None and position_ids is None and self.watched is not None:
+            plain, stamp = (self.model_key, "plain"), (shape, self.watched.version())
+            entry = made.get(plain)
+            if entry is None or entry[0] != stamp:
+                entry = made[plain] = (stamp, self._record(state))
+            return entry[1]
+        if labels is None:
+            return self._record(state)
         last = made.get(self.model_key)
         same = last is not None and last[0]() is labels and last[1] is attention_mask and last[2] is position_ids
         if same and last[3] == shape:
@@ -154,7 +167,7 @@ class GenericBlock(nn.Module):
     def _record(self, state: State) -> dict[int, Call]:
         calls: dict[int, Call] = {}
         with _own_random_numbers(state[0].device):
-            _, stopped = run(self.shell, recorder(self.last, calls), **_inputs(state))
+            _, stopped = run(self.shell, recorder(self.last, calls), **stage_inputs(state))
         if stopped is None:
             raise RuntimeError(f"the model's forward returned without calling block {self.last}")
         return calls
@@ -195,7 +208,7 @@ class GenericOutput(nn.Module):
         hidden, _, _, labels, sums = state
         if labels is None:
             raise ValueError("training through roundpipe needs `labels` in the batch (the loss is computed there)")
-        driver, inputs = replacing_last(self.last, hidden), {**_inputs(state), **self.no_router_logits}
+        driver, inputs = replacing_last(self.last, hidden), {**stage_inputs(state), **self.no_router_logits}
         if self.mode == "chunked":
             _, x = run(self.shell, driver, **inputs)
             if x is None:

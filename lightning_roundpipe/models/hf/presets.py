@@ -14,7 +14,7 @@ from collections.abc import Callable
 from torch import nn
 
 from lightning_roundpipe.models.hf.detect import unwrap
-from lightning_roundpipe.models.hf.families import FAMILIES, Family
+from lightning_roundpipe.models.hf.families import FAMILIES, Family, FamilyMismatch
 from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 
 
@@ -109,17 +109,13 @@ def pipeline_layers(
             " RoundPipeStrategy(hf_stages='auto') (the generic path runs the model's own code around its blocks)."
         )
     if preset is None:
-        if split_decoder_layers:
-            why = "its class has no entry in the architecture table" if path == "auto" else "hf_stages='generic'"
-            raise ValueError(
-                f"split_decoder_layers=True cuts blocks in two as the architecture table's entry says; {name} takes"
-                f" the generic path ({why}), whose blocks run whole. Use split_decoder_layers=False."
-            )
-        from lightning_roundpipe.models.hf.anatomy import generic_layers
-
-        layers, how = generic_layers(hf)
         why = "hf_stages='generic'" if path == "generic" else "its class has no entry in the architecture table"
-        return layers, f"{name} takes the generic path ({why}): {how}"
+        return _generic(hf, name, why, split_decoder_layers)
+    if path == "auto" and not split_decoder_layers:
+        try:
+            return preset(hf), f"{name} takes the architecture table's stages"
+        except FamilyMismatch as mismatch:  # the entry does not describe this model: its own code does
+            return _generic(hf, name, f"the table's entry does not apply: {mismatch}", split_decoder_layers)
     note = f"{name} takes the architecture table's stages"
     if not split_decoder_layers:
         return preset(hf), note
@@ -133,6 +129,18 @@ def pipeline_layers(
     if "tile_tokens" not in inspect.signature(preset).parameters:
         raise ValueError(f"the {name} preset cannot tile its layers (its function takes no `tile_tokens`)")
     return preset(hf, split=True, tile_tokens=tile_tokens), note + f", blocks split in two, tiled by {tile_tokens}"
+
+
+def _generic(hf: nn.Module, name: str, why: str, split: bool) -> tuple[list[nn.Module], str]:
+    if split:
+        raise ValueError(
+            f"split_decoder_layers=True cuts blocks in two as the architecture table's entry says; {name} takes"
+            f" the generic path ({why}), whose blocks run whole. Use split_decoder_layers=False."
+        )
+    from lightning_roundpipe.models.hf.assembly import generic_layers
+
+    layers, how = generic_layers(hf)
+    return layers, f"{name} takes the generic path ({why}): {how}"
 
 
 def _inherited(model: nn.Module) -> Callable[..., list[nn.Module]] | None:

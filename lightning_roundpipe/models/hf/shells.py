@@ -135,6 +135,21 @@ class _Original:
 _ORIGINAL = "_roundpipe_original"
 
 
+class Watched:
+    """The model's modules whose tensors a stage's recorded block arguments are made of (the rotary module),
+    shared by every copy of the stage: :meth:`version` changes when one of their tensors is replaced or
+    changed in place (a rope schedule between batches), read from the host's modules."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Watched:
+        return self
+
+    def version(self) -> tuple[int, ...]:
+        return tuple(n for m in self.modules for t in (*m.parameters(), *m.buffers()) for n in (id(t), t._version))
+
+
 def follow(module: nn.Module) -> None:
     """A shell (and the shell it wraps) in its model's training mode: ``model.train()`` and ``model.eval()``
     reach the model's modules, not the shells, and a model's ``forward`` may read ``self.training``."""
