@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 import time
 import warnings
 from collections import deque
@@ -93,30 +94,46 @@ def check_host_step(optimizers: list[Any]) -> None:
             )
         for group in optimizer.param_groups:
             error = _probe_step(optimizer, group)
-            if error is not None:
+            if error is None:
+                continue
+            what = f"{name}'s step failed on a CPU probe shaped like its parameters ({type(error).__name__}: {error})"
+            if _DEVICE_ERROR.search(str(error)):
                 raise ValueError(
-                    f"roundpipe steps the optimizer on the host (CPU), where the master weights live, but"
-                    f" {name}'s step failed on a CPU probe shaped like its parameters ({type(error).__name__}:"
-                    f" {error}). An optimizer whose kernels need a GPU cannot run there: use torch.optim.AdamW"
-                    " (its fused CPU kernel is the default) or another CPU-capable optimizer."
+                    f"roundpipe steps the optimizer on the host (CPU), where the master weights live, but {what}. An"
+                    " optimizer whose kernels need a GPU cannot run there: use torch.optim.AdamW (its fused CPU"
+                    " kernel is the default) or another CPU-capable optimizer."
                 ) from error
+            warnings.warn(  # not a device's: it may depend on what the user does before the first step
+                f"roundpipe steps the optimizer on the host (CPU), where the master weights live; {what}. If its"
+                " first real step fails the same way, that is why.",
+                stacklevel=outside_package(),
+            )
+            break
+
+
+_DEVICE_ERROR = re.compile(r"cuda|gpu|device|triton", re.IGNORECASE)
+"""What a step that cannot run on the host's CPU tensors says (a CUDA-only kernel)."""
 
 
 def _probe_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Exception | None:
-    """The exception of one step of ``optimizer``'s class with ``group``'s settings on a small CPU parameter
-    of its first parameter's dtype and rank, or ``None`` (it ran, or the class cannot be rebuilt)."""
+    """The exception of one step of ``optimizer``'s class with ``group``'s settings (and the state it keeps
+    in the group, such as a schedule-free optimizer's mode) on a small CPU parameter of its first parameter's
+    dtype and rank, or ``None`` (it ran, or the class cannot be rebuilt). Draws from its own generator: the
+    user's random numbers are not touched."""
     first = next((p for p in group["params"] if p.requires_grad), None)
     if first is None:
         return None
     settings = _settings(optimizer, group)
-    settings.update({k: group[k] for k in ("fused", "foreach") if k in group})
-    p = torch.nn.Parameter(torch.randn([min(n, 4) for n in first.shape]).to(first.dtype))
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn([min(n, 4) for n in first.shape], generator=g).to(first.dtype))
     try:
         scratch = type(optimizer)([p], **settings)
     except Exception:  # its own constructor (the user built it, so it works on the real parameters' terms)
         return None
+    scratch.param_groups[0].update({k: v for k, v in group.items() if k != "params"})  # its kernel choice too
+    scratch._need_device_dtype_check_for_fused = bool(group.get("fused"))
     try:
-        p.grad = torch.randn_like(p)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         scratch.step()
     except Exception as error:
         return error
@@ -137,8 +154,13 @@ def _refuse_disagreeing_kernel(optimizer: torch.optim.Optimizer) -> set[int]:
     those that asked for it explicitly go back to the unfused step, and one warning names the kernel."""
     refused, seen = set(), []
     for group in optimizer.param_groups:
-        if group.get("foreach") or group.get("differentiable") or group.get("capturable"):
-            continue
+        if (
+            group.get("fused") is False
+            or group.get("foreach")
+            or group.get("differentiable")
+            or group.get("capturable")
+        ):
+            continue  # the user's choice of no fused kernel: nothing to check
         settings = _settings(optimizer, group)
         for dtype in sorted({p.dtype for p in group["params"] if torch.is_floating_point(p)}, key=str):
             difference = fused_disagrees(type(optimizer), _key(settings), dtype)
@@ -147,6 +169,8 @@ def _refuse_disagreeing_kernel(optimizer: torch.optim.Optimizer) -> set[int]:
             refused.add(id(group))
             if group.get("fused"):
                 group["fused"] = False
+                if optimizer.defaults.get("fused"):  # a group added later (a layer unfrozen) would take it again
+                    optimizer.defaults["fused"] = False
             seen.append(f"{dtype} parameters ({difference:.0%} apart)")
     if seen:
         warnings.warn(

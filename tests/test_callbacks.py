@@ -76,6 +76,7 @@ def test_monitor_logs_every_steps_gradient_norm_in_both_optimizer_modes(tmp_path
     """Synchronously it equals what a user's ``on_before_optimizer_step`` computes from ``p.grad``;
     asynchronously (where that hook sees no gradients) the optimizer thread's, one value per step."""
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
+    L.seed_everything(0, verbose=False)  # the weights (and so the norms) must not depend on the tests before
     module = BoringPipeline()
     trainer = L.Trainer(
         strategy=RoundPipeStrategy(async_optimizer=async_optimizer), accelerator="cpu", devices=2, max_epochs=1,

@@ -352,3 +352,60 @@ def test_without_padding_the_block_arguments_are_made_once_per_shape_and_again_w
     with torch.no_grad():
         blocks(gpt2, ids), blocks(gpt2, ids)
     assert len(runs) == 2  # once per pass: its position embedding is trained
+
+
+def test_logits_over_tiles_give_the_models_gradients(monkeypatch):
+    """Gemma's soft-capped logits go through the model's own code tile by tile, each tile recomputed in
+    backward: tiles of 3 of a micro-batch's 20 tokens give the model's loss and gradients."""
+    from lightning_roundpipe.models.hf import assembly
+
+    monkeypatch.setattr(assembly, "CHUNK_TOKENS", 3)
+    assert_equals_the_model_run_directly(tiny("gemma2"), split=False, path="generic")
+
+
+def test_a_learned_logit_scale_runs_in_the_models_own_code_and_is_trained():
+    """A causal LM with a tensor of its own (a learned temperature on the logits): on the probe it is a constant
+    factor, but only the model's code applies its later values, and only there it gets a gradient."""
+
+    class Tempered(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.temperature = torch.nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, *args, labels=None, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * self.temperature
+            out.loss = None if labels is None else self.loss_function(out.logits, labels, self.config.vocab_size)
+            return out
+
+    torch.manual_seed(0)
+    model = Tempered(tiny("llama").config)
+    layers, how = hf.pipeline_layers(copy.deepcopy(model))
+    assert layers[-1].mode == "tiled" and "holds tensors besides its base model and head" in how
+    assert_equals_the_model_run_directly(model, split=False)  # the temperature's gradient included
+
+
+def test_the_probe_leaves_the_model_in_its_mode_through_its_own_train():
+    """transformers' ``train`` may do more than set flags (kernels chosen for training): the probe's eval mode
+    is undone by calling it, and every module's flag is as it was."""
+    calls = []
+
+    class Moded(transformers.LlamaForCausalLM):
+        def train(self, mode=True):
+            calls.append(mode)
+            return super().train(mode)
+
+    model = Moded(tiny("llama").config)
+    model.train()
+    model.model.layers[1].eval()  # a user's own mix of modes
+    flags = [m.training for m in model.modules()]
+    calls.clear()
+    hf.build_layers(model, path="generic")
+    assert calls == [False, True] and [m.training for m in model.modules()] == flags
+
+
+def test_a_model_dispatched_by_accelerate_is_refused():
+    model = tiny("llama")
+    model.model.layers[0]._hf_hook = object()  # what accelerate's dispatch_model leaves on each module
+    with pytest.raises(ValueError, match=r"dispatched by accelerate \(hooks on model.layers.0.*without a device_map"):
+        hf.build_layers(model)

@@ -228,3 +228,47 @@ def test_an_optimizer_the_host_cannot_step_is_refused_at_setup():
             strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=async_optimizer)
             with pytest.raises(ValueError, match=message):
                 fit(lambda make=make: Optimized(make), dict(strategy=strategy, accelerator="cpu", devices=2))
+
+
+def test_the_host_step_checks_touch_no_random_numbers_and_keep_an_explicit_unfused_choice():
+    """Setup must not move the user's random stream (data order, dropout), and a group that asked for no fused
+    kernel is neither probed nor warned about as if the kernel had been refused."""
+    from lightning_roundpipe.host_optimizer import check_host_step
+
+    params = [torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))]
+    optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.AdamW(params, fused=False)]
+    state = torch.get_rng_state()
+    with pytest.warns(UserWarning) as seen:
+        assert use_fused_kernels(optimizers, calibrate=False) == ["unfused", "explicit"]
+        check_host_step(optimizers)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(seen) == 1 and "SGD" in str(seen[0].message)
+
+
+def test_an_optimizer_whose_step_needs_its_own_mode_is_warned_about_not_refused():
+    """Schedule-free optimizers keep a mode in their groups that the user switches before training: a probe
+    that fails for another reason than a device says so once and lets the run start."""
+    from lightning_roundpipe.host_optimizer import check_host_step
+
+    class Moded(torch.optim.SGD):
+        def __init__(self, params, lr=0.1):
+            super().__init__(params, lr=lr)
+            for group in self.param_groups:
+                group["train_mode"] = False
+
+        def train(self):
+            for group in self.param_groups:
+                group["train_mode"] = True
+
+        def step(self, closure=None):
+            if not all(group["train_mode"] for group in self.param_groups):
+                raise RuntimeError("not in train mode: call optimizer.train() first")
+            return super().step(closure)
+
+    optimizer = Moded([torch.nn.Parameter(torch.randn(4))])
+    with pytest.warns(UserWarning, match=r"Moded's step failed on a CPU probe .*not in train mode"):
+        check_host_step([optimizer])
+    optimizer.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_host_step([optimizer])  # the group's mode is the probe's too

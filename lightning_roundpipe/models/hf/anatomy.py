@@ -157,26 +157,35 @@ class _Trace:
         return {name for kind, name in self.events[start:] if kind == where}
 
 
+def _traced(
+    model: nn.Module, base: nn.Module, name: str, stand_ins: nn.ModuleList, driver: Any, trace: _Trace, **inputs: Any
+) -> Any:
+    """``model(**inputs)`` with ``stand_ins`` in place of its blocks and ``driver`` deciding for them, its
+    children's calls traced into ``trace``, without gradients or router logits; the model as it was after."""
+    hooks = trace.hooks({n: m for n, m in base.named_children() if n != name}, "base")
+    hooks += trace.hooks({n: m for n, m in model.named_children() if m is not base}, "top")
+    try:
+        with _swapped(base, name, stand_ins), setting(model.config, "output_router_logits", False), torch.no_grad():
+            return run(model, driver, **inputs, use_cache=False)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def inspect_model(model: nn.Module) -> tuple[Anatomy, Tensor]:
     """Run the model's ``forward`` over stand-ins on the probe batch (see the module docstring); returns what
     it learned and the model's own loss there (its blocks passing the hidden states through)."""
     base, name = find_blocks(model)
-    blocks, config, batch = list(base._modules[name]), model.config, probe_batch(model)
+    blocks, batch = list(base._modules[name]), probe_batch(model)
     errors = []
     for as_tuple in (False, True):  # transformers 5's blocks return a tensor; older ones a tuple
         stand_ins = nn.ModuleList([StandIn(i, block, as_tuple) for i, block in enumerate(blocks)])
         trace = _Trace()
-        hooks = trace.hooks({n: m for n, m in base.named_children() if n != name}, "base")
-        hooks += trace.hooks({n: m for n, m in model.named_children() if m is not base}, "top")
         try:
-            with _swapped(base, name, stand_ins), setting(config, "output_router_logits", False), torch.no_grad():
-                out, _ = run(model, trace.driver, **batch, use_cache=False)
+            out = _traced(model, base, name, stand_ins, trace.driver, trace, **batch)
         except Exception as error:  # a block output of the other kind, indexed or unpacked
             errors.append(f"{type(error).__name__}: {error}")
             continue
-        finally:
-            for hook in hooks:
-                hook.remove()
         order = [i for kind, i in trace.events if kind == "block"]
         if not order or order != list(range(len(order))):
             raise refuse(model, f"its forward calls its blocks in the order {order[:12]}, not each once from the first")
@@ -191,7 +200,7 @@ def inspect_model(model: nn.Module) -> tuple[Anatomy, Tensor]:
     anatomy.tail_children = trace.after("base", ("block", anatomy.last))
     anatomy.top_children = {n for kind, n in trace.events if kind == "top"}
     anatomy.top_before = trace.before("top", ("block", 0))
-    anatomy.preamble_children = _preamble(anatomy, trace, batch)
+    _preamble(anatomy, trace, batch)
     loss = getattr(out, "loss", None)
     if not isinstance(loss, Tensor):
         raise refuse(model, "its forward returned no `loss` for the labels it was given")
@@ -217,45 +226,37 @@ def _check_arguments(anatomy: Anatomy, trace: _Trace) -> None:
         seen[_storage(trace.outputs[k])] = f"block {k}'s output"
 
 
-def _preamble(anatomy: Anatomy, trace: _Trace, batch: dict[str, Tensor]) -> set[str]:
-    """The base model's children its ``forward`` runs before the first block from ``inputs_embeds``, after
-    checking that every block is handed the same arguments as from the token ids (what a stage rebuilds)."""
-    model, base = anatomy.model, anatomy.base
-    stand_ins = nn.ModuleList([StandIn(i, b, anatomy.as_tuple) for i, b in enumerate(anatomy.blocks)])
-    again = _Trace()
-    hooks = again.hooks({n: m for n, m in base.named_children() if n != anatomy.blocks_name}, "base")
-    hooks += again.hooks({n: m for n, m in model.named_children() if m is not base}, "top")
+def _preamble(anatomy: Anatomy, trace: _Trace, batch: dict[str, Tensor]) -> None:
+    """The model's children its ``forward`` runs before the first block from ``inputs_embeds`` (the base model's
+    into ``preamble_children``, the causal LM's into ``top_before``), after checking that every block is handed
+    the same arguments as from the token ids (what a stage rebuilds): with the probe's padding mask and without
+    one (an unpadded batch's arguments are recorded once per shape)."""
+    model, base, name = anatomy.model, anatomy.base, anatomy.blocks_name
     embeds = torch.randn(trace.calls[0].hidden.shape, generator=torch.Generator().manual_seed(1))
-    inputs = dict(attention_mask=batch["attention_mask"], use_cache=False)
-    try:
-        with (
-            _swapped(base, anatomy.blocks_name, stand_ins),
-            setting(model.config, "output_router_logits", False),
-            torch.no_grad(),
-        ):
-            run(
-                model,
-                recorder(anatomy.last, again.calls),
-                inputs_embeds=embeds.to(trace.calls[0].hidden.dtype),
-                **inputs,
-            )
-    except Exception as error:
-        raise refuse(
-            model, f"its base model cannot start from `inputs_embeds` ({type(error).__name__}: {error})"
-        ) from error
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for k in range(len(anatomy.blocks)):
-        differs = first_difference(trace.calls[k], again.calls.get(k))
-        if differs is not None:
+    embeds = embeds.to(trace.calls[0].hidden.dtype)
+    for mask in (batch["attention_mask"], None):
+        stand_ins = nn.ModuleList([StandIn(i, b, anatomy.as_tuple) for i, b in enumerate(anatomy.blocks)])
+        if mask is None:  # the model's own calls without a mask, to compare with
+            trace = _Trace()
+            _traced(model, base, name, stand_ins, trace.driver, trace, input_ids=batch["input_ids"])
+        again = _Trace()
+        try:
+            driver = recorder(anatomy.last, again.calls)
+            _traced(model, base, name, stand_ins, driver, again, inputs_embeds=embeds, attention_mask=mask)
+        except Exception as error:
             raise refuse(
-                model, f"block {k}'s `{differs}` depends on the token ids or on the embeddings' values (it changes"
-                " when the model starts from other `inputs_embeds`); the stages rebuild a block's arguments from the"
-                " positions and the padding mask alone",
-            )  # fmt: skip
-    anatomy.top_before |= again.before("top", ("block", 0))
-    return {n for kind, n in again.events if kind == "base"}
+                model, f"its base model cannot start from `inputs_embeds` ({type(error).__name__}: {error})"
+            ) from error
+        for k in range(len(anatomy.blocks)):
+            differs = first_difference(trace.calls[k], again.calls.get(k))
+            if differs is not None:
+                raise refuse(
+                    model, f"block {k}'s `{differs}` depends on the token ids or on the embeddings' values (it changes"
+                    " when the model starts from other `inputs_embeds`); the stages rebuild a block's arguments from"
+                    " the positions and the padding mask alone",
+                )  # fmt: skip
+        anatomy.top_before |= again.before("top", ("block", 0))
+        anatomy.preamble_children |= {n for kind, n in again.events if kind == "base"}
 
 
 def _named_leaves(call: Call) -> list[tuple[str, Any]]:

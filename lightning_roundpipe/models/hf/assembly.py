@@ -52,11 +52,14 @@ def generic_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, then back in its mode through its own ``train`` (transformers' may do more than
+    set flags: kernels chosen for training), and every module's flag as it was."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield
     finally:
+        model.train(modes[0][1])
         for m, training in modes:
             m.training = training
 
@@ -73,8 +76,9 @@ def _generic_layers(model: nn.Module) -> tuple[list[nn.Module], str]:
     layers: list[nn.Module] = [first]
     made_of = [anatomy.base._modules[n] for n in sorted(anatomy.preamble_children)]
     made_of += [model._modules[n] for n in sorted(anatomy.top_before)]
-    trainable = any(p.requires_grad for m in made_of for p in m.parameters())
-    watched = None if trainable else Watched(made_of)  # trainable: the arguments change with every update
+    watched = Watched(made_of, [anatomy.base, model])
+    if any(t.requires_grad for t in watched.tensors()):
+        watched = None  # trainable: the arguments change with every update
     for i, block in enumerate(anatomy.blocks):
         router = routers[i] if anatomy.aux_coef else None
         sparse = routers[i] is not None or any(hasattr(m, "experts") for m in block.modules())
@@ -199,9 +203,16 @@ def _output_stage(anatomy: Anatomy, state: tuple[Any, ...], want: Tensor) -> tup
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_children() if m is head), None)
     tried, scale = [], None
+    own = [*model.parameters(recurse=False), *model.buffers(recurse=False)]
+    own += [
+        t for m in model.children() if m is not head and m is not anatomy.base for t in (*m.parameters(), *m.buffers())
+    ]
     for mode in ("chunked", "tiled", "model"):
         if mode == "chunked" and (head_name is None or type(head) is not nn.Linear or head.bias is not None):
             tried.append("the head is not a plain linear layer without bias")
+            continue
+        if mode == "chunked" and own:  # e.g. a learned logit scale: its value on the probe is not its value later
+            tried.append("the causal LM holds tensors besides its base model and head, which only its code applies")
             continue
         if mode == "chunked":
             scale = _logit_scale(anatomy, state, head)

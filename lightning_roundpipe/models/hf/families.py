@@ -80,15 +80,18 @@ class Family:
         """Refuse a model this entry would run with other arithmetic than its own."""
         for attribute, why in self.refuse:
             if getattr(config, attribute, False):
-                raise FamilyMismatch(f"roundpipe's {name} entry cannot pipeline it with `{attribute}` set: {why}")
+                raise FamilyMismatch(
+                    f"roundpipe's {name} entry cannot pipeline it with `{attribute}` set: {why} (with hf_stages='auto'"
+                    " and blocks not split, the generic path trains it with its own code)"
+                )
         expected = {n for half in self.halves for n in half if n is not None}
         for i, layer in enumerate(layers):
             norms = {n for n, m in layer.named_children() if n.endswith("layernorm")}
             if norms != expected:
                 raise FamilyMismatch(
                     f"roundpipe's {name} entry expects decoder blocks with the norms {sorted(expected)}, but block {i}"
-                    f" has {sorted(norms)}: this model is not the architecture the entry describes (hf_stages='auto'"
-                    " trains it through the generic path, with its own code)"
+                    f" has {sorted(norms)}: this model is not the architecture the entry describes (with"
+                    " hf_stages='auto' and blocks not split, the generic path trains it with its own code)"
                 )
 
 

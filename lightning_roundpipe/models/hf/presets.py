@@ -102,6 +102,14 @@ def pipeline_layers(
             " not follow. `target_modules='all-linear'` does this to a mixture of experts' experts and router;"
             " target the linear layers instead, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']."
         )
+    dispatched = [n or "<root>" for n, m in hf.named_modules() if hasattr(m, "_hf_hook")]
+    if dispatched:
+        raise ValueError(
+            f"{name} was dispatched by accelerate (hooks on {dispatched[0]}, ...: from_pretrained(device_map=...) or"
+            " dispatch_model): roundpipe keeps the weights on the host and streams them to the GPUs itself. Load"
+            " the model without a device_map (on the CPU; inside `configure_model` it is built under roundpipe's"
+            " own device context)."
+        )
     preset = None if path == "generic" else PRESETS.get(name) or _inherited(hf)
     if preset is None and path == "table":
         raise ValueError(

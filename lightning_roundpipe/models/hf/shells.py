@@ -136,18 +136,23 @@ _ORIGINAL = "_roundpipe_original"
 
 
 class Watched:
-    """The model's modules whose tensors a stage's recorded block arguments are made of (the rotary module),
-    shared by every copy of the stage: :meth:`version` changes when one of their tensors is replaced or
-    changed in place (a rope schedule between batches), read from the host's modules."""
+    """What a stage's recorded block arguments are made of, shared by every copy of the stage: ``modules``
+    (the rotary module: their tensors) and ``owners`` (the base model and the causal LM: their own tensors and
+    training mode). :meth:`version` changes when one of these tensors is replaced or changed in place (a rope
+    schedule between batches) or the mode changes, read from the host's modules."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
+    def __init__(self, modules: list[nn.Module], owners: list[nn.Module]) -> None:
+        self.modules, self.owners = modules, owners
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Watched:
         return self
 
-    def version(self) -> tuple[int, ...]:
-        return tuple(n for m in self.modules for t in (*m.parameters(), *m.buffers()) for n in (id(t), t._version))
+    def tensors(self) -> list[Tensor]:
+        held = [t for m in self.modules for t in (*m.parameters(), *m.buffers())]
+        return held + [t for m in self.owners for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+
+    def version(self) -> tuple[Any, ...]:
+        return (*(n for t in self.tensors() for n in (id(t), t._version)), *(m.training for m in self.owners))
 
 
 def follow(module: nn.Module) -> None:
@@ -167,7 +172,8 @@ def shell(
     ``module``'s own where named in ``keep`` and :class:`Absent` elsewhere; no hooks, and the class's
     ``forward`` (an instance ``forward``, the interceptor's or a compiled body, is not the model's code)."""
     clone = copy.copy(module)
-    clone.__dict__.pop("forward", None)
+    for name in ("forward", "_old_forward"):  # an instance forward (the interceptor's, a compiled body, a hook's)
+        clone.__dict__.pop(name, None)
     clone.__dict__[_ORIGINAL] = _Original(module)
     clone._modules = {
         name: children[name] if name in children else child if name in keep else Absent(name)
