@@ -14,6 +14,7 @@ from torch import nn
 from lightning_roundpipe.models import compiled
 from lightning_roundpipe.models.compiled import compile_options
 from lightning_roundpipe.options import RoundPipeOptions
+from lightning_roundpipe.runtime.microbatch import Split
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Pipelined:
     """The faster kernels bound onto the model's modules (``RoundPipeStrategy(kernels=...)``)."""
     compiled: list[str] = field(default_factory=list)
     """The modules whose ``forward`` was compiled (``RoundPipeStrategy(compile=...)``)."""
+    split: Split | None = None
+    """How its batches are cut into micro-batches (``None``: by samples; ``RoundPipeStrategy(split_by=...)``)."""
 
     @contextlib.contextmanager
     def undone_on_failure(self) -> Iterator[None]:
@@ -96,11 +99,17 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
         layers, how = hf.pipeline_layers(hf_model, options.split_decoder_layers, options.tile_tokens, options.hf_stages)
         rank_zero_info(f"roundpipe: {how}")
         check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} stages' layers")
-        return Pipelined(layers, hf_model=hf_model)
+        split = None if options.split_by == "samples" else hf.TokenSplit.for_model(hf.unwrap(hf_model))
+        return Pipelined(layers, hf_model=hf_model, split=split)
     if options.kernels == "liger":
         raise ValueError(
             "RoundPipeStrategy(kernels='liger') applies to a Hugging Face model's stages; this model is an"
             " nn.Sequential, whose layers run as written. Use kernels='auto' or 'none'."
+        )
+    if options.split_by == "tokens":
+        raise ValueError(
+            "RoundPipeStrategy(split_by='tokens') cuts a Hugging Face model's padded token batches; this model is"
+            " an nn.Sequential, whose batches are cut by samples. Use split_by='auto' or 'samples'."
         )
     if options.split_decoder_layers:
         from lightning_roundpipe.models.hf import PRESETS

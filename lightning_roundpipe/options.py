@@ -20,6 +20,7 @@ from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
 HF_STAGES = ("auto", "table", "generic")
+SPLITS = ("auto", "tokens", "samples")
 KERNELS = ("auto", "liger", "none")
 
 
@@ -101,6 +102,12 @@ class RoundPipeOptions:
     whose base model keeps its blocks in a ``ModuleList``; checked against the model on a probe at setup);
     ``"generic"`` takes the generic path for every model; ``"table"`` refuses a class without an entry. A
     log line says which one a model took and why."""
+    split_by: str = "auto"
+    """How a batch is cut into micro-batches: ``"auto"`` cuts a Hugging Face model's padded batches by tokens
+    (rows of similar lengths together, each micro-batch trimmed to its longest row, their costs balanced:
+    :mod:`~lightning_roundpipe.models.hf.tokens`) and anything else by samples; ``"tokens"`` asks for that
+    (an ``nn.Sequential`` is refused: its inputs are not token batches); ``"samples"`` cuts every batch
+    along dim 0 into near-equal counts."""
     kernels: str = "auto"
     """Faster kernels in a Hugging Face model's stages: ``"auto"`` uses liger-kernel's Triton RMSNorm,
     SwiGLU, rotary embedding and fused linear cross-entropy when liger-kernel is installed and the workers
@@ -143,6 +150,8 @@ class RoundPipeOptions:
             )
         if self.kernels not in KERNELS:
             raise ValueError(f"RoundPipeStrategy(kernels={self.kernels!r}) must be one of {KERNELS}")
+        if self.split_by not in SPLITS:
+            raise ValueError(f"RoundPipeStrategy(split_by={self.split_by!r}) must be one of {SPLITS}")
         if self.hf_stages not in HF_STAGES:
             raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
         compile_options(self.compile)

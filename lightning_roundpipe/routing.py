@@ -61,8 +61,8 @@ class PipelineCalls:
 
             def run(inputs: Any, target: Any) -> Tensor:
                 if self._evaluating:
-                    return self.engine.evaluate(inputs, target, lambda out, _: out, hf.counted_tokens)
-                return self._train(inputs, target, lambda out, _: out, hf.counted_tokens)
+                    return self.engine.evaluate(inputs, target, lambda out, _: out, hf.counted_tokens, pipelined.split)
+                return self._train(inputs, target, lambda out, _: out, hf.counted_tokens, pipelined.split)
 
             self._interceptor = hf.Interceptor(
                 pipelined.hf_model, run, lambda: self._training, lambda: self._evaluating and evaluate_hf
@@ -112,7 +112,9 @@ class PipelineCalls:
             )
         return self._train(inputs, target, loss_fn, reduction)
 
-    def _train(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction) -> Tensor:
+    def _train(
+        self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], reduction: Reduction, split: Any = None
+    ) -> Tensor:
         if self.step_loss is not None:
             raise RuntimeError(
                 "the pipelined model was called twice in one `training_step`. Under roundpipe each call runs the"
@@ -120,7 +122,7 @@ class PipelineCalls:
             )
         grad_scale = self.precision.step_scale(self.engine) / self.trainer.accumulate_grad_batches
         loss = self.engine.train_batch(
-            inputs, target, loss_fn, reduction, grad_scale=grad_scale, last_of_step=self._last_of_step()
+            inputs, target, loss_fn, reduction, grad_scale=grad_scale, last_of_step=self._last_of_step(), split=split
         )
         # 16-mixed skips the step and lowers the loss scale; otherwise an update would spoil every weight
         skips = self.precision.precision == "16-mixed"

@@ -59,8 +59,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
-        split_decoder_layers: a Hugging Face model's blocks become attention and MLP layers.
-        tile_tokens: with ``split_decoder_layers``, run token-wise parts over this many tokens at a time.
+        split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
+        split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's) or ``"samples"``.
         hf_stages: a Hugging Face model's stages: ``"auto"`` (the table's, else generic), ``"generic"``, ``"table"``.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
         compile: ``torch.compile`` of the layers: ``"auto"`` (HF blocks on CUDA), ``True``, ``False`` or its kwargs.
@@ -88,6 +88,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
         hf_stages: str = "auto",
+        split_by: str = "auto",
         kernels: str = "auto",
         compile: bool | str | dict[str, Any] = "auto",
         evaluate_hf_in_pipeline: bool = True,

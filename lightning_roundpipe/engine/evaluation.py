@@ -20,7 +20,7 @@ from lightning_roundpipe.engine.steps import StepChain
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, batch_size, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, batch_size, microbatch_weights, split_batch
 from lightning_roundpipe.schedule.build import batch_schedule
 from lightning_roundpipe.schedule.transfers import Overlap
 
@@ -68,6 +68,7 @@ class Evaluator:
         loss_fn: Callable[[Any, Any], Tensor] | None,
         reduction: Reduction,
         first_worker: int,
+        split: Split | None = None,
     ) -> Any:
         """The batch loss, or the outputs with ``loss_fn=None`` (see ``PipelineEngine.evaluate``)."""
         if not self.steps.asynchronous:
@@ -79,7 +80,10 @@ class Evaluator:
         if size < per_round * rounds:
             per_round, rounds = size, 1
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
-        mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
+        if split is not None and loss_fn is not None:
+            mb_inputs, mb_targets = split(inputs, target, per_round * rounds)
+        else:
+            mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction) if loss_fn is not None else []
         schedule = batch_schedule(
             plan, self.crew.num_workers, per_round, rounds, first_worker, self.overlap, forward_only=True

@@ -12,7 +12,6 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from lightning_roundpipe.engine.crew import Crew
 from lightning_roundpipe.engine.planner import AutoPlanner
@@ -21,7 +20,7 @@ from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, input_elements, microbatch_weights, split_batch
 from lightning_roundpipe.runtime.workers import Gate, Task
 from lightning_roundpipe.schedule import Overlap, batch_schedule
 
@@ -37,15 +36,15 @@ class Batch:
     reduction: Reduction
     grad_scale: float
     samples: int
+    split: Split | None = None
+    """How to cut it into micro-batches (``None``: along dim 0, by samples)."""
+    largest: int = 0
+    """Input elements of the largest micro-batch of the last attempt (what a longer batch is told by)."""
 
     @cached_property
     def elements(self) -> int:
         """Input elements (tokens, for a language model): with the samples, how large they are."""
-        return sum(t.numel() for t in tree_flatten(self.inputs)[0] if isinstance(t, Tensor))
-
-    def microbatch_elements(self, count: int) -> float:
-        """Input elements of the largest of ``count`` micro-batches."""
-        return self.elements / self.samples * math.ceil(self.samples / count)
+        return input_elements(self.inputs)
 
 
 class Attempt(NamedTuple):
@@ -98,7 +97,11 @@ class Launcher:
                 self.pool.trim_idle()
             self._measured_size = size
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
-        mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
+        if batch.split is None:
+            mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
+        else:
+            mb_inputs, mb_targets = batch.split(batch.inputs, batch.target, per_round * rounds)
+        batch.largest = max(input_elements(x) for x in mb_inputs)
         weights = microbatch_weights(mb_targets, mb_inputs, batch.reduction)
         if not any(weights) and not self._warned_empty:
             self._warned_empty = True
@@ -107,7 +110,7 @@ class Launcher:
                 " and it adds no gradient. Plain PyTorch would give NaN here.",
                 stacklevel=outside_package(),
             )
-        guarded = retry or self.guards(call, batch.microbatch_elements(per_round * rounds))
+        guarded = retry or self.guards(call, batch.largest)
         mark = self.steps.mark() if guarded else None
         # staged first: a failure here (the host out of memory) must not leave a half-built flight behind
         staged = self.pool.stage_all([*mb_targets, *mb_inputs])

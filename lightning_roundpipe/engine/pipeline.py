@@ -38,7 +38,7 @@ from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, batch_size
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, batch_size
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
 from lightning_roundpipe.runtime.workers import PipelineAborted
@@ -169,9 +169,11 @@ class PipelineEngine:
         reduction: Reduction = "mean",
         grad_scale: float = 1.0,
         last_of_step: bool = False,
+        split: Split | None = None,
     ) -> Tensor:
         """Forward and backward of one batch; gradients of ``grad_scale * loss`` are added to the host
-        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch.
+        store. Returns the batch loss (detached), as ``loss_fn`` would give on the whole batch. ``split``
+        cuts it into micro-batches instead of the split along dim 0 (a language model's by tokens).
 
         ``last_of_step`` (asynchronous mode): no further batch joins this step before :meth:`submit_step`, so
         the previous update may be cast into each weight this step no longer uploads during the step (edge 1
@@ -180,7 +182,7 @@ class PipelineEngine:
         self.steps.check_open()
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
-        batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"))
+        batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"), split)
         if (plan := self.caches.next_plan(self.calls, batch.samples)) is not None:
             self.set_plan(plan)  # the allocators kept giving memory back: a smaller plan on trial, or the end of one
         start = self.dispatch_position
@@ -191,7 +193,7 @@ class PipelineEngine:
             flight = self.recovery.settle(attempt, relaunch, None if self.asynchronous else self._recover)
             if self.asynchronous:
                 self.steps.joined(flight, last_of_step)
-            self.recovery.succeeded(batch.microbatch_elements(len(flight.targets)))
+            self.recovery.succeeded(batch.largest)
         elif self.asynchronous:
             self.steps.joined(flight, last_of_step)
             try:
@@ -289,12 +291,14 @@ class PipelineEngine:
         target: Any = None,
         loss_fn: Callable[[Any, Any], Tensor] | None = None,
         reduction: Reduction = "mean",
+        split: Split | None = None,
     ) -> Any:
         """Forward only, through the pipeline: the batch loss (as ``loss_fn`` on the whole batch) or, with
         ``loss_fn=None``, the outputs concatenated along dim 0. Training's counters, seeds and gradients
-        are untouched; call between :meth:`begin_evaluation` and :meth:`end_evaluation`."""
+        are untouched; call between :meth:`begin_evaluation` and :meth:`end_evaluation`. ``split``: as for
+        :meth:`train_batch`, for a loss only (outputs keep the batch's order)."""
         self.crew.check_usable()
-        return self.evaluator.run(inputs, target, loss_fn, reduction, self.dispatch_position)
+        return self.evaluator.run(inputs, target, loss_fn, reduction, self.dispatch_position, split)
 
     def state_dict(self) -> dict[str, Any]:
         """What resuming exactly needs besides the weights and the optimizer (:mod:`.state`)."""

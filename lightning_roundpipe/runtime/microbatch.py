@@ -21,6 +21,16 @@ Reduction = Literal["mean", "sum"] | Callable[[Any], Any]
 """
 
 
+Split = Callable[[Any, Any, int], tuple[list[Any], list[Any]]]
+"""``split(inputs, target, num)``: the inputs and targets of ``num`` micro-batches, in place of :func:`split_batch`
+(a Hugging Face model's micro-batches by tokens). Its micro-batches' losses are weighted as any (the reduction)."""
+
+
+def input_elements(tree: Any) -> int:
+    """Input elements (tokens, for a language model) of the tensors in ``tree``."""
+    return sum(t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+
+
 def batch_size(tree: Any, what: str) -> int:
     """The common dim-0 size of every tensor in ``tree``; a clear error if there is none or they differ."""
     leaves_with_paths, _ = tree_flatten_with_path(tree)

@@ -28,6 +28,7 @@ from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, counted_tokens, s
 from lightning_roundpipe.models.hf.presets import PATHS, PRESETS, build_layers, decoder_layers, pipeline_layers
 from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 from lightning_roundpipe.models.hf.state import State
+from lightning_roundpipe.models.hf.tokens import TokenSplit
 
 __all__ = [
     "FAMILIES",
@@ -42,6 +43,7 @@ __all__ = [
     "MlpStage",
     "OutputStage",
     "State",
+    "TokenSplit",
     "build_layers",
     "counted_tokens",
     "decoder_layers",

@@ -1,0 +1,122 @@
+"""Micro-batches by tokens: a padded batch cut into micro-batches of similar lengths, each trimmed to its own
+longest sequence, their costs balanced.
+
+A fine-tuning batch is padded to its longest sequence; split by samples, every micro-batch carries that
+padding through every layer. Grouped by length instead, a micro-batch of short sequences drops the padding
+columns none of its rows needs. Only trailing columns go, and only where every row of the micro-batch has
+them as padding (mask 0) with no label (-100): causality keeps earlier tokens from attending to them and no
+loss term reads them, so the loss and gradients are plain training's up to summation order. A leading
+padding column (left padding) stays: a padded position predicting the first token is part of the loss
+there. The batch's loss is still normalised over all its counted tokens (the micro-batches' weights).
+
+Costs are balanced, not rows: a micro-batch of ``n`` rows padded to ``L`` tokens costs about
+``n * L * (1 + L / span)``, where ``span`` is where attention's cost, growing with the length, equals the
+per-token work of the layers' matrices (for a decoder block about its parameters over its width).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_roundpipe.models.hf.attention import plain_inputs
+from lightning_roundpipe.models.hf.labels import IGNORE_INDEX
+
+Inputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
+
+
+class TokenSplit:
+    """``split(inputs, target, num)``: the ``(inputs, targets)`` of ``num`` micro-batches by tokens (see the
+    module docstring); the engine calls it in place of its split by samples. A batch without a padding mask
+    (rows all full, or packed) is split by samples."""
+
+    def __init__(self, span: float = math.inf) -> None:
+        self.span = span
+        """Tokens at which attention costs as much as the rest of a layer, per token (``inf``: never)."""
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> TokenSplit:
+        """The split for a causal LM: ``span`` is a decoder block's parameters over the model's hidden size (its
+        base model's largest ``ModuleList``; all experts counted for a mixture: attention then weighs a little
+        less); without them, lengths alone."""
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        lists = [m for m in base.children() if isinstance(m, nn.ModuleList) and len(m)] if base is not None else []
+        if not lists or not hidden:
+            return cls()
+        blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+        return cls(sum(p.numel() for p in blocks[0].parameters()) / hidden)
+
+    def cost(self, rows: int, length: int) -> float:
+        return rows * length * (1.0 + length / self.span)
+
+    def __call__(self, inputs: Inputs, target: Tensor, num: int) -> tuple[list[Inputs], list[Tensor]]:
+        from lightning_roundpipe.runtime.microbatch import split_batch
+
+        input_ids, attention_mask, position_ids, labels = inputs
+        if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
+            return split_batch(inputs, target, num, f"{num} micro-batches")
+        lengths = kept_lengths(attention_mask, labels)
+        groups = self.groups(lengths.tolist(), num)
+        micro_inputs, micro_targets = [], []
+        for rows in groups:
+            index = torch.tensor(rows, dtype=torch.long)
+            length = int(lengths[index].max())
+            ids, mask, positions, micro_labels = (
+                None if t is None else t.index_select(0, index)[:, :length]
+                for t in (input_ids, attention_mask, position_ids, labels)
+            )
+            mask, positions = plain_inputs(mask, positions)
+            micro_inputs.append((ids, mask, positions, micro_labels))
+            micro_targets.append(micro_labels)
+        return micro_inputs, micro_targets
+
+    def groups(self, lengths: list[int], num: int) -> list[list[int]]:
+        """``num`` groups of row indices, rows of similar lengths together (longest first), the largest group
+        cost as small as contiguous runs of the rows sorted by length allow."""
+        if num < 1 or num > len(lengths):
+            raise ValueError(f"cannot cut {len(lengths)} rows into {num} micro-batches")
+        order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+        low = max(self.cost(1, lengths[r]) for r in order)
+        high = self.cost(len(order), lengths[order[0]])
+        for _ in range(40):  # the smallest cap whose greedy runs number at most `num` (to a 1e-12 fraction)
+            middle = (low + high) / 2
+            if len(self._runs(order, lengths, middle)) <= num:
+                high = middle
+            else:
+                low = middle
+        runs = self._runs(order, lengths, high)
+        while len(runs) < num:  # fewer runs than micro-batches: the costliest run with two rows or more halves
+            i = max((i for i, run in enumerate(runs) if len(run) > 1), key=lambda i: self._run_cost(runs[i], lengths))
+            run = runs.pop(i)
+            runs[i:i] = [run[: len(run) // 2], run[len(run) // 2 :]]
+        return runs
+
+    def _runs(self, order: list[int], lengths: list[int], cap: float) -> list[list[int]]:
+        runs: list[list[int]] = []
+        for r in order:
+            if runs and self.cost(len(runs[-1]) + 1, lengths[runs[-1][0]]) <= cap:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        return runs
+
+    def _run_cost(self, run: list[int], lengths: list[int]) -> float:
+        return self.cost(len(run), max(lengths[r] for r in run))
+
+
+def kept_lengths(attention_mask: Tensor, labels: Tensor) -> Tensor:
+    """Per row, the columns a micro-batch must keep: up to the last one that is attended or has a label (the
+    trailing ones after it are padding no loss term reads)."""
+    needed = attention_mask.bool() | (labels != IGNORE_INDEX)
+    columns = torch.arange(1, needed.shape[1] + 1)
+    return (needed * columns).amax(dim=1).clamp_min(1)
+
+
+def padding_tokens(micro_inputs: Sequence[Any]) -> int:
+    """Padded positions the micro-batches carry (their masks' zeros)."""
+    return sum(int((mask == 0).sum()) for _, mask, _, _ in micro_inputs if mask is not None)
