@@ -25,6 +25,8 @@
 #        Liger's kernels inside them, full card; and at 24 GiB) defaults defaults-newcomer defaults-4b defaults-8b ab-24gib (issue 24:
 #        compile="auto")
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
+#        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
+#        plain with Liger, with compiled blocks, packed; roundpipe's defaults)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
@@ -162,6 +164,17 @@ for step in "${steps[@]}"; do
         --config-timeout 130 --out "$OUT/defaults-newcomer.json"
       run defaults-24gib 150 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 26 --steps 6 \
         --config-timeout 140 --out "$OUT/defaults-24gib.json" ;;
+    varlen)  # issue 39: full card, 8 then 32 sequences of 256..4096 tokens a step. About 500 s
+      run varlen-8 280 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
+        --configs plain-liger,plain-compile,plain-compile-packed,newcomer --warmup 10 --steps 6 --config-timeout 90 \
+        --out "$OUT/varlen-8.json"
+      run varlen-32 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --micro-batch 8 \
+        --configs plain-compile,newcomer --warmup 10 --steps 4 --config-timeout 140 --out "$OUT/varlen-32.json" ;;
+    varlen-24gib)  # issue 39: the default at 24 GiB on the same data. About 300 s
+      run varlen-24gib 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer --warmup 26 --steps 6 --config-timeout 140 --out "$OUT/varlen-24gib.json"
+      run varlen-24gib-32 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer --warmup 12 --steps 4 --config-timeout 280 --out "$OUT/varlen-24gib-32.json" ;;
     generic)  # issue 38: the table's stages against the generic path, full card, one call. About 200 s
       run generic 260 python benchmarks/lightning_user.py --configs newcomer,newcomer-generic --warmup 10 --steps 6 \
         --config-timeout 125 --out "$OUT/generic.json" ;;

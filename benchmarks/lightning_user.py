@@ -33,11 +33,17 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   ``RoundPipeStrategy(compile=True)``, each block's body through ``torch.compile`` (``--compile-backend``);
   ``CONFIG-eager`` (e.g. ``newcomer-eager``): with ``compile=False``, every block eager (with liger-kernel
   installed, its kernels in the blocks: the default until 2026-12-02's eighth session);
+- ``plain-packed``, ``plain-liger-packed``, ``plain-compile-packed`` (with ``--varlen``): the plain configuration on
+  padding-free batches (transformers' ``DataCollatorWithFlattening``: one row, positions restarting at 0);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
   nothing else (for one very long sequence, ``--seqs 1 --seq-len 131072``).
 
 ``--model`` also takes shapes of other families, built from transformers' classes with random weights
 (:data:`OTHER_MODELS`: a Cohere shape and a DeepSeek-V3 shape of 2-3 B parameters, which take the generic path).
+
+``--varlen MIN,MAX`` trains on instruction-like data instead (issue 39): sequences of lengths drawn uniformly
+from ``MIN..MAX``, the first quarter of each labelled -100, padded per batch to its longest (mask 0, label
+-100); tokens/s then counts real tokens only.
 
 One process per configuration (``_driver``); ``--gpu-gib`` caps the card. Reported: tokens/s between the
 optimizer steps after ``--warmup`` (roundpipe's first steps measure the layers and choose its plan),
@@ -148,6 +154,51 @@ class Tokens(Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
+class Instructions(Dataset):
+    """``--varlen MIN,MAX``: sequences of lengths drawn uniformly from ``MIN..MAX`` (seeded), the first quarter
+    of each (its prompt) labelled -100, as an instruction-tuning set; :func:`pad` or transformers'
+    ``DataCollatorWithFlattening`` (``-packed`` configurations) makes the batches."""
+
+    def __init__(self, vocab: int, size: int, shortest: int, longest: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.lengths = torch.randint(shortest, longest + 1, (size,), generator=g).tolist()
+        self.tokens = [torch.randint(1, vocab, (n,), generator=g) for n in self.lengths]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.tokens[i].clone()
+        labels[: len(labels) // 4] = -100
+        return {"input_ids": self.tokens[i], "labels": labels}
+
+
+def pad(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right padding to the batch's longest (pad id 0, mask 0, label -100), as a per-batch padding collator."""
+    width = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    labels = torch.full((len(items), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(items), width, dtype=torch.long)
+    for r, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[r, :n], labels[r, :n], mask[r, :n] = item["input_ids"], item["labels"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def flatten(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """transformers' padding-free packing: one row, positions restarting at 0, each sequence's first label -100."""
+    from transformers import DataCollatorWithFlattening
+
+    collate = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    return collate([{k: v.tolist() for k, v in item.items()} for item in items])
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens of a batch that are not padding."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 class LM(L.LightningModule):
     """The LightningModule a newcomer writes (``fused``: the hand-tuned optimizer)."""
 
@@ -201,6 +252,9 @@ class Clock(L.Callback):
         self.losses: list[float] = []
         self.resident = resident
         self.host_gib: list[dict[str, Any]] = []
+        self.tokens: list[int] = []
+        """Real (not padding) tokens of each optimizer step so far."""
+        self._step_tokens = 0
         self.allocator_calls: list[tuple[int, int]] = []
         """(cudaMalloc calls, cudaFree calls) so far, at the first and the last timed step."""
         self._handle: Any = None
@@ -232,8 +286,11 @@ class Clock(L.Callback):
         self._last = now
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self._step_tokens += real_tokens(args[0])
         if trainer.fit_loop._should_accumulate():
             return
+        self.tokens.append(self._step_tokens)
+        self._step_tokens = 0
         self._progress(trainer)
         now, peak = self.resident.reading()
         self.host_gib.append({"at": f"step {trainer.global_step}", "rss": round(now, 2), "peak": round(peak, 2)})
@@ -266,7 +323,11 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
             strategy = RoundPipeStrategy() if strategy == "roundpipe" else strategy
             strategy.options.compile = choice  # read when the strategy finds the layers, at setup
             return strategy, fused
-    if config in ("plain", "plain-liger", "plain-compile"):
+    if config in ("plain", "plain-liger", "plain-compile") or config.removesuffix("-packed") in (
+        "plain",
+        "plain-liger",
+        "plain-compile",
+    ):
         return "auto", True
     if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn"):
         return "roundpipe", False
@@ -307,7 +368,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     compile_with = {"backend": args.compile_backend} if args.compile_backend else True
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
     plain = args.run.startswith("plain")
-    if args.run == "plain-liger":  # as Liger's README says: patch transformers' Qwen3 before building the model
+    if args.run.endswith("-packed") and not args.varlen:
+        raise ValueError(f"{args.run} packs variable-length sequences: give --varlen MIN,MAX")
+    if (
+        args.run.removesuffix("-packed") == "plain-liger"
+    ):  # as Liger's README says: patch transformers' Qwen3 before building the model
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
         apply_liger_kernel_to_qwen3()
@@ -319,7 +384,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
-    if args.run == "plain-compile":  # regional compilation as PyTorch's recipe has it: each block compiled
+    if (
+        args.run.removesuffix("-packed") == "plain-compile"
+    ):  # regional compilation as PyTorch's recipe has it: each block compiled
         for block in model.model.layers:
             block.compile(**({"backend": args.compile_backend} if args.compile_backend else {}))
     module = LM(model, fused=fused)
@@ -327,7 +394,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
     accumulate = args.seqs // per_batch
-    data = DataLoader(Tokens(vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
+    if args.varlen:  # per-batch padding, or (-packed) one row of the batch's sequences without padding
+        shortest, longest = (int(n) for n in args.varlen.split(","))
+        collate = flatten if args.run.endswith("-packed") else pad
+        data = DataLoader(Instructions(vocab, args.seqs * steps, shortest, longest), batch_size=per_batch,
+                          collate_fn=collate)  # fmt: skip
+    else:
+        data = DataLoader(Tokens(vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
     clock = Clock(args.warmup, args.warmup + args.steps, resident)
     anatomy = Anatomy(args.warmup + args.steps, args.profile_steps)
     trainer = L.Trainer(
@@ -352,7 +425,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         )
     seconds = clock.stamps[-1] - clock.stamps[0]
     timed = len(clock.stamps) - 1
-    tokens_per_s = args.seqs * args.seq_len * timed / seconds
+    # the tokens of the steps between the first and last stamp (real ones: without padding)
+    tokens_per_s = sum(clock.tokens[args.warmup : args.warmup + timed]) / seconds
     result: dict[str, Any] = {
         "tokens_per_s": tokens_per_s,
         "model_tflops": tokens_per_s * flops_per_token(shape, args.seq_len, recompute=True) / 1e12 if shape else None,
@@ -360,6 +434,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "seqs": args.seqs,
         "seq_len": args.seq_len,
         "timed_steps": timed,
+        "timed_seconds": seconds,
         "fit_wall_s": wall,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB,
         "gpu_nvml_peak_gib": max(clock.nvml_gib, default=None),
@@ -569,6 +644,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--seqs", type=int, default=32, help="sequences per optimizer step")
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
+        "--varlen", default="", help="MIN,MAX: sequences of lengths drawn from MIN..MAX, per-batch padding or packed"
+    )
     parser.add_argument("--micro-batch", type=int, default=4, help="plain: sequences per accumulated batch")
     parser.add_argument("--warmup", type=int, default=6)
     parser.add_argument("--steps", type=int, default=6)

@@ -269,3 +269,20 @@ def test_split_blocks_is_the_same_model_with_twice_the_layers():
     assert torch.allclose(losses[2], losses[0], rtol=1e-6)  # tiles sum the weight gradients in another order
     for a, b in zip(whole.parameters(), tiled.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(tmp_path):
+    """``--varlen`` (issue 39): instruction-like sequences padded per batch, or packed for plain; tokens/s
+    counts the real tokens, the same number of them in every configuration's timed steps."""
+    out = tmp_path / "varlen.json"
+    args = ["--device", "cpu", "--model", "debug", "--configs", "plain,plain-packed,newcomer", "--varlen", "4,40",
+            "--seqs", "8", "--micro-batch", "4", "--steps", "2", "--warmup", "2", "--in-process", *TINY]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lightning_user.py"), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert not failed_configurations(results), results
+    real = {round(r["tokens_per_s"] * r["timed_seconds"]) for r in results}
+    assert len(real) == 1 and real.pop() < 8 * 40 * 2  # the same real tokens, fewer than the padded ones
