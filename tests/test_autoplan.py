@@ -553,3 +553,29 @@ def test_idle_gaps_of_a_recorded_batch_cover_the_idle_between_its_actions():
         assert sum(g["seconds"] for g in gaps.values()) == pytest.approx(span - busy, abs=1e-6)
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_batches_of_other_sizes_are_no_drift():
+    """Batches of a new length every step (a language model's, padded per batch): a check on a batch four
+    times the measured one must not read as a slowdown. Its stage times are scaled to the planned micro-batch
+    by the measured costs (their fixed part included) before they are compared; before that, every check on a
+    longer batch measured the layers again."""
+    _SLOW.update(seconds=0.002, per_sample=0.004)
+    engine = auto_engine(check_every=1, replan_margin=0.3)
+    g = torch.Generator().manual_seed(0)
+
+    def sized(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g)
+
+    try:
+        engine.train_batch(*sized(8), F.mse_loss)  # measuring
+        seen, count = engine.planner.layer_costs, 0
+        for rows in (8, 8, 8, 8, 32, 32, 8, 8, 32, 32, 8, 32, 32):  # the reference on 8 rows, then 32 twice
+            engine.train_batch(*sized(rows), F.mse_loss)
+            if engine.planner.layer_costs is not seen:
+                seen, count = engine.planner.layer_costs, count + 1
+        assert count == 0
+        assert engine.planner.drift is not None and engine.planner.drift < 0.3
+    finally:
+        engine.close()

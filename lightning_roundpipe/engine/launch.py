@@ -101,7 +101,8 @@ class Launcher:
             mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
         else:
             mb_inputs, mb_targets = batch.split(batch.inputs, batch.target, per_round * rounds)
-        batch.largest = max(input_elements(x) for x in mb_inputs)
+        sizes = [input_elements(x) for x in mb_inputs]
+        batch.largest = max(sizes)
         weights = microbatch_weights(mb_targets, mb_inputs, batch.reduction)
         if not any(weights) and not self._warned_empty:
             self._warned_empty = True
@@ -127,7 +128,7 @@ class Launcher:
             flight = self.steps.flight(
                 call, schedule, targets, weights, grad_scale=batch.grad_scale, loss_fn=batch.loss_fn, record=record,
                 measure_memory=record and self.planner.measuring, samples=batch.samples,
-                sample_elements=batch.elements / batch.samples, guarded=guarded, skip=skip,
+                sample_elements=batch.elements / batch.samples, microbatch_elements=sizes, guarded=guarded, skip=skip,
             )  # fmt: skip
             for m, parcel in enumerate(inputs):
                 flight.put(("act", 0, m), parcel)

@@ -22,6 +22,7 @@ from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.compiles import compile_mark
+from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
@@ -114,6 +115,8 @@ class AutoPlanner:
         self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
         self.sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
+        self.planned_elements = 0.0
+        """Input elements of the micro-batch the plan's costs are for (:meth:`_at_planned_size`)."""
         self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
@@ -187,8 +190,31 @@ class AutoPlanner:
                 return None
             return self._plan_from(self.profile, store)
         if self._is_check(flight) and compile_mark() == flight.compile_mark:  # a compile is no drift
-            self._check_drift(stage_times(flight), flight.call)
+            self._check_drift(self._at_planned_size(flight, store), flight.call)
         return None
+
+    def _at_planned_size(self, flight: Flight, store: HostStore) -> dict[int, list[float]]:
+        """A recorded batch's stage times, each micro-batch's as if it held the input elements the plan's costs
+        are for: scaled by the measured costs' stage times at the two sizes (a fixed cost per micro-batch
+        included). Batches of other lengths (a language model's, padded per batch and cut by tokens) are then
+        no drift; without it every check on a longer batch looked like a slowdown and measured again."""
+        times = stage_times(flight)
+        sizes = flight.microbatch_elements
+        if self.fitted is None or self.layer_costs is None or not self.planned_elements or not self.sample_elements:
+            return times
+        if not sizes or all(abs(n - self.planned_elements) <= 0.01 * self.planned_elements for n in sizes):
+            return times
+        planned = stage_times_of_plan(self.layer_costs, self.plan)
+        predicted: dict[int, list[float]] = {}
+        scaled: dict[int, list[float]] = {slot: [] for slot in times}
+        for records in flight.records.values():
+            for action, start, _, end, _ in records:
+                n = sizes[action.microbatch]
+                if n not in predicted:
+                    predicted[n] = stage_times_of_plan(self.fitted.costs(store, n / self.sample_elements), self.plan)
+                ratio = planned[action.slot] / predicted[n][action.slot] if predicted[n][action.slot] > 0 else 1.0
+                scaled[action.slot].append(WorkerDevice.elapsed(start, end) * ratio)
+        return scaled
 
     def _plan_from(self, profile: LayerProfile, store: HostStore) -> StagePlan:
         """The plan (and, when chosen, the micro-batch count) from the measured layers."""
@@ -212,8 +238,11 @@ class AutoPlanner:
             )  # fmt: skip
             self.microbatches_per_round = count
             self.layer_costs = profile.costs(store, samples / count * scale, scale == 1)
+            self.planned_elements = self.sample_elements * samples / count * scale
             return chosen.plan
-        costs = profile.costs(store, samples / max(1, min(samples, self.num_microbatches)) * scale, scale == 1)
+        size = samples / max(1, min(samples, self.num_microbatches)) * scale
+        costs = profile.costs(store, size, scale == 1)
+        self.planned_elements = self.sample_elements * size
         plan = automatic_plan(
             costs, self.num_workers, self.num_microbatches, limit, self.planner, self.asynchronous
         ).plan  # fmt: skip
