@@ -22,11 +22,10 @@ from statistics import median
 
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.compiles import compile_mark
-from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.profile import LayerProfile, TransferRate, drift, stage_times
+from lightning_roundpipe.runtime.profile import LayerProfile, TransferRate, drift, stage_times_at
 from lightning_roundpipe.schedule.choose import PLANNERS, automatic_plan, microbatch_candidates, plan_with_microbatches
 from lightning_roundpipe.schedule.partition import Infeasible, LayerCosts, stage_memory
 from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
@@ -92,16 +91,11 @@ class AutoPlanner:
         self.planner, self.memory_limit = planner, memory_limit
         self.profile: LayerProfile | None = LayerProfile(num_layers) if self.auto else None
         """Samples of the batches measuring the layers, while they run (``None`` otherwise)."""
-        self.fitted: LayerProfile | None = None
-        """The last completed measurement (what :meth:`shrink` plans from again)."""
-        self.layer_costs: LayerCosts | None = None
-        """Measured per-layer costs (after profiling), what the plan was computed from."""
-        self.predicted_bubble: float | None = None
-        """The simulator's bubble ratio for the current plan and measured costs."""
-        self.drift: float | None = None
-        """At the last check, how far stage times moved from the plan's first (of its slowest stage)."""
-        self.reference: list[float] | None = None
-        """The plan's stage times at its first check (what later checks compare with)."""
+        self.fitted: LayerProfile | None = None  # the last completed measurement (what `shrink` plans from again)
+        self.layer_costs: LayerCosts | None = None  # measured per-layer costs, what the plan was computed from
+        self.predicted_bubble: float | None = None  # the simulator's bubble ratio for the plan and costs
+        self.drift: float | None = None  # at the last check, how far stage times moved from the plan's first
+        self.reference: list[float] | None = None  # the plan's stage times at its first check (later ones compare)
         self.drifted = 0  # checks in a row past the margin (two measure the layers again)
         self.offset_checked = False
         """The costs were measured again for this plan's first-timing offset (it gets no further look)."""
@@ -115,8 +109,7 @@ class AutoPlanner:
         self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
         self.sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
-        self.planned_elements = 0.0
-        """Input elements of the micro-batch the plan's costs are for (:meth:`_at_planned_size`)."""
+        self.planned_elements = 0.0  # input elements of the micro-batch the plan's costs are for
         self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
@@ -190,31 +183,9 @@ class AutoPlanner:
                 return None
             return self._plan_from(self.profile, store)
         if self._is_check(flight) and compile_mark() == flight.compile_mark:  # a compile is no drift
-            self._check_drift(self._at_planned_size(flight, store), flight.call)
+            sizes = (self.fitted, self.layer_costs, self.planned_elements, self.sample_elements)
+            self._check_drift(stage_times_at(flight, store, self.plan, *sizes), flight.call)  # lengths are no drift
         return None
-
-    def _at_planned_size(self, flight: Flight, store: HostStore) -> dict[int, list[float]]:
-        """A recorded batch's stage times, each micro-batch's as if it held the input elements the plan's costs
-        are for: scaled by the measured costs' stage times at the two sizes (a fixed cost per micro-batch
-        included). Batches of other lengths (a language model's, padded per batch and cut by tokens) are then
-        no drift; without it every check on a longer batch looked like a slowdown and measured again."""
-        times = stage_times(flight)
-        sizes = flight.microbatch_elements
-        if self.fitted is None or self.layer_costs is None or not self.planned_elements or not self.sample_elements:
-            return times
-        if not sizes or all(abs(n - self.planned_elements) <= 0.01 * self.planned_elements for n in sizes):
-            return times
-        planned = stage_times_of_plan(self.layer_costs, self.plan)
-        predicted: dict[int, list[float]] = {}
-        scaled: dict[int, list[float]] = {slot: [] for slot in times}
-        for records in flight.records.values():
-            for action, start, _, end, _ in records:
-                n = sizes[action.microbatch]
-                if n not in predicted:
-                    predicted[n] = stage_times_of_plan(self.fitted.costs(store, n / self.sample_elements), self.plan)
-                ratio = planned[action.slot] / predicted[n][action.slot] if predicted[n][action.slot] > 0 else 1.0
-                scaled[action.slot].append(WorkerDevice.elapsed(start, end) * ratio)
-        return scaled
 
     def _plan_from(self, profile: LayerProfile, store: HostStore) -> StagePlan:
         """The plan (and, when chosen, the micro-batch count) from the measured layers."""

@@ -71,12 +71,9 @@ class Flight:
         microbatch_elements: list[int] | None = None,
     ) -> None:
         self.call = call
-        self.samples = samples
-        """The batch's dim-0 size (what its micro-batches split)."""
-        self.sample_elements = sample_elements
-        """Input elements per sample (tokens, for a language model): how large its samples are."""
-        self.microbatch_elements = microbatch_elements or []
-        """Input elements of each micro-batch, as split (a language model's by tokens differ in size)."""
+        self.samples = samples  # the batch's dim-0 size (what its micro-batches split)
+        self.sample_elements = sample_elements  # input elements per sample (tokens, for a language model)
+        self.microbatch_elements = microbatch_elements or []  # as split (a language model's differ in size)
         self.step = step
         """Optimizer step the batch belongs to: which compute copy it uploads (double buffering)."""
         self.evaluating = evaluating

@@ -17,6 +17,7 @@ from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.schedule.actions import Action
 from lightning_roundpipe.schedule.partition import LayerCosts
+from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
 from lightning_roundpipe.schedule.plan import StagePlan
 
 
@@ -76,6 +77,32 @@ def stage_times(flight: Flight) -> dict[int, list[float]]:
         for action, start, _, end, _ in records:
             out[action.slot].append(WorkerDevice.elapsed(start, end))
     return out
+
+
+def stage_times_at(
+    flight: Flight, store: HostStore, plan: StagePlan, profile: LayerProfile | None, planned: LayerCosts | None,
+    elements: float, sample_elements: float,
+) -> dict[int, list[float]]:  # fmt: skip
+    """A recorded batch's stage times, each micro-batch's as if it held the ``elements`` input elements the
+    plan's costs (``planned``, from ``profile``) are for: scaled by the measured costs' stage times at the two
+    sizes (a fixed cost per micro-batch included). Batches of other lengths (a language model's, padded per
+    batch and cut by tokens) are then no drift; compared as they were, every check on a longer batch looked
+    like a slowdown and measured the layers again."""
+    times, sizes = stage_times(flight), flight.microbatch_elements
+    if profile is None or planned is None or not elements or not sample_elements or not sizes:
+        return times
+    if all(abs(n - elements) <= 0.01 * elements for n in sizes):
+        return times
+    target, predicted = stage_times_of_plan(planned, plan), {}
+    scaled: dict[int, list[float]] = {slot: [] for slot in times}
+    for records in flight.records.values():
+        for action, start, _, end, _ in records:
+            n = sizes[action.microbatch]
+            if n not in predicted:
+                predicted[n] = stage_times_of_plan(profile.costs(store, n / sample_elements), plan)
+            at = predicted[n][action.slot]
+            scaled[action.slot].append(WorkerDevice.elapsed(start, end) * (target[action.slot] / at if at > 0 else 1.0))
+    return scaled
 
 
 def busy_seconds(flight: Flight) -> dict[int, float]:

@@ -55,11 +55,9 @@ class TokenSplit:
         return rows * length * (1.0 + length / self.span)
 
     def __call__(self, inputs: Inputs, target: Tensor, num: int) -> tuple[list[Inputs], list[Tensor]]:
-        from lightning_roundpipe.runtime.microbatch import split_batch
-
         input_ids, attention_mask, position_ids, labels = inputs
         if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
-            return split_batch(inputs, target, num, f"{num} micro-batches")
+            return _by_samples(inputs, num)
         lengths = kept_lengths(attention_mask, labels)
         groups = self.groups(lengths.tolist(), num)
         micro_inputs, micro_targets = [], []
@@ -107,6 +105,15 @@ class TokenSplit:
 
     def _run_cost(self, run: list[int], lengths: list[int]) -> float:
         return self.cost(len(run), max(lengths[r] for r in run))
+
+
+def _by_samples(inputs: Inputs, num: int) -> tuple[list[Inputs], list[Tensor]]:
+    """Rows cut into ``num`` runs whose sizes differ by at most one (as the engine's split along dim 0)."""
+    if num < 1 or num > inputs[0].shape[0]:
+        raise ValueError(f"cannot cut {inputs[0].shape[0]} rows into {num} micro-batches")
+    parts = [torch.tensor_split(t, num) if t is not None else [None] * num for t in inputs]
+    micro = [tuple(part[i] for part in parts) for i in range(num)]
+    return micro, [m[3] for m in micro]  # type: ignore[misc]
 
 
 def kept_lengths(attention_mask: Tensor, labels: Tensor) -> Tensor:
