@@ -29,7 +29,7 @@ from lightning_roundpipe.models.hf.generic import (
     GenericOutput,
     stage_inputs,
 )
-from lightning_roundpipe.models.hf.router import _add_router_sums
+from lightning_roundpipe.models.hf.router import _add_router_sums, load_balancing
 from lightning_roundpipe.models.hf.shells import (
     Captured,
     Given,
@@ -183,8 +183,7 @@ def _load_balancing(anatomy: Anatomy, state: tuple[Any, ...]) -> None:
     sums = (zeros, zeros.clone(), torch.zeros((), dtype=torch.float32))
     for layer in logits:
         sums = _add_router_sums(sums, layer, state[1], top_k)
-    per_expert, probs_sum, rows = sums
-    ours = ((per_expert / rows * (probs_sum / rows)).sum() * experts).item()
+    ours = load_balancing(sums).item()
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     if not abs(difference - coef * ours) <= 1e-4 * max(abs(difference), 1e-6):
         raise refuse(

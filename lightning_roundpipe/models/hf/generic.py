@@ -30,11 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
 from lightning_roundpipe.models.hf.attention import _let_go
-from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
-from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
-from lightning_roundpipe.models.hf.router import _add_router_sums, _RouterLogits
+from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, head_loss, shift_labels
+from lightning_roundpipe.models.hf.router import _add_router_sums, _RouterLogits, load_balancing
 from lightning_roundpipe.models.hf.shells import Call, Watched, first_input, recorder, replacing_last, run
 from lightning_roundpipe.models.hf.state import State
 from lightning_roundpipe.models.tiling import tiled
@@ -216,11 +214,7 @@ class GenericOutput(nn.Module):
             assert self.head is not None
             if self.scale is not None:
                 x = x * self.scale
-            targets = shift_labels(labels)
-            if self.fused_loss and x.is_cuda:
-                loss = fused_linear_cross_entropy(x, self.head.weight, targets, IGNORE_INDEX)
-            else:
-                loss = chunked_linear_cross_entropy(x, self.head.weight, targets, IGNORE_INDEX, self.chunk_tokens)
+            loss = head_loss(x, self.head.weight, labels, bool(self.fused_loss), self.chunk_tokens)
         elif self.mode == "tiled":
             _, base = run(self.shell, driver, **inputs)
             loss = self._tiled_loss(_without_router_logits(base), labels)
@@ -228,11 +222,7 @@ class GenericOutput(nn.Module):
             counted = (shift_labels(labels) != IGNORE_INDEX).sum().clamp_min(1)
             out, _ = run(self.shell, driver, labels=labels, num_items_in_batch=counted, **inputs)
             loss = out.loss
-        if sums is not None:
-            per_expert, probs_sum, rows = sums
-            aux = (per_expert / rows * (probs_sum / rows)).sum() * per_expert.numel()
-            loss = loss + self.aux_coef * aux
-        return loss
+        return loss if sums is None else loss + self.aux_coef * load_balancing(sums)
 
     def _tiled_loss(self, base: Any, labels: Tensor) -> Tensor:
         """Mean cross-entropy over the counted tokens of the logits the model's code makes from each tile of

@@ -51,3 +51,10 @@ def _add_router_sums(
         weight = attention_mask.reshape(-1).to(torch.float32)
     counts = torch.zeros_like(per_expert).scatter_add_(0, selected, weight.repeat_interleave(top_k))
     return per_expert + counts, probs_sum + (probs * weight[:, None]).sum(0), rows + weight.sum()
+
+
+def load_balancing(sums: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """The load-balancing loss of the layers whose router logits the sums hold (transformers'
+    ``load_balancing_loss_func``, without ``router_aux_loss_coef``)."""
+    per_expert, probs_sum, rows = sums
+    return (per_expert / rows * (probs_sum / rows)).sum() * per_expert.numel()

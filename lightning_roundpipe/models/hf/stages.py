@@ -7,12 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_roundpipe.models.chunked_loss import chunked_linear_cross_entropy
 from lightning_roundpipe.models.hf.attention import _attention_inputs
 from lightning_roundpipe.models.hf.families import Family, Norms
-from lightning_roundpipe.models.hf.kernels import fused_linear_cross_entropy
-from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, shift_labels
-from lightning_roundpipe.models.hf.router import _add_router_sums, _router_of, _RouterLogits
+from lightning_roundpipe.models.hf.labels import head_loss
+from lightning_roundpipe.models.hf.router import _add_router_sums, _router_of, _RouterLogits, load_balancing
 from lightning_roundpipe.models.hf.state import State
 from lightning_roundpipe.models.tiling import tiled
 
@@ -206,16 +204,5 @@ class OutputStage(nn.Module):
         hidden = self.norm(hidden)
         if self.divisor is not None:
             hidden = hidden / self.divisor
-        if self.fused_loss and hidden.is_cuda:
-            loss = fused_linear_cross_entropy(
-                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.softcap
-            )
-        else:
-            loss = chunked_linear_cross_entropy(
-                hidden, self.lm_head.weight, shift_labels(labels), IGNORE_INDEX, self.chunk_size, self.softcap
-            )
-        if sums is not None:
-            per_expert, probs_sum, rows = sums
-            aux = (per_expert / rows * (probs_sum / rows)).sum() * per_expert.numel()
-            loss = loss + self.aux_coef * aux
-        return loss
+        loss = head_loss(hidden, self.lm_head.weight, labels, self.fused_loss, self.chunk_size, self.softcap)
+        return loss if sums is None else loss + self.aux_coef * load_balancing(sums)
