@@ -59,16 +59,25 @@ def _run_config(script: str, config: str, shared: dict[str, Any], timeout: float
             return {**salvaged, "config": config, "teardown_timed_out": True, "wall_s": time.perf_counter() - t0}
         why = f"timed out after {timeout} s\n{tail[-3000:]}"
         print(f"{config}: {why}", flush=True)
-        return {"config": config, "error": why, "returncode": None}
+        return {"config": config, "error": why, "returncode": None, "progress": _progress(tail)}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"{config}: FAILED ({proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-        return {"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode}
+        progress = _progress(proc.stderr)
+        print(f"{config}: FAILED ({proc.returncode})\n" + "\n".join(progress[-12:]), flush=True)
+        print(proc.stderr[-3000:], flush=True)
+        return {"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode, "progress": progress}
     result = json.loads(lines[-1][len("RESULT ") :])
     result["config"] = config
     result["wall_s"] = time.perf_counter() - t0
     print(f"{config}: done in {result['wall_s']:.0f} s", flush=True)
     return result
+
+
+def _progress(stderr: str) -> list[str]:
+    """A failed configuration's progress lines (``step N: ...`` and roundpipe's warnings), which the traceback's
+    tail would leave out: where it was when it failed."""
+    lines = stderr.splitlines()
+    return [line[:400] for line in lines if line.startswith("step ") or "roundpipe:" in line][-60:]
 
 
 def add_in_process_flag(parser: argparse.ArgumentParser) -> None:

@@ -633,6 +633,10 @@ class _Remember(L.Callback):
             "cache_trials": engine.caches.trials,  # each trial's limits and seconds per sample (tried, before)
             "memory_limit_gib": engine.planner.memory_limit / GiB if engine.planner.memory_limit else None,
             "plan_since_batch": engine.planner.plan_since,  # the batch the running plan began with
+            # what the plan's times and memory are for (tokens per micro-batch; issue 39's lengths that vary)
+            "planned_tokens": engine.planner.planned_elements,
+            "memory_tokens": engine.planner.memory_elements,
+            "widest_row": engine.planner.row_elements,
         }
 
 

@@ -177,7 +177,8 @@ def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
         before, after = engine.planner, resumed.planner
         assert after.fitted is not None and before.fitted is not None
         assert after.fitted.costs(resumed.store, 3.0) == before.fitted.costs(engine.store, 3.0)
-        assert (after.batch_samples, after.sample_elements) == (before.batch_samples, before.sample_elements)
+        sizes = ("batch_samples", "mean_elements", "row_elements", "planned_elements", "memory_elements")
+        assert [getattr(after, n) for n in sizes] == [getattr(before, n) for n in sizes]
         limit = 1e9
         assert after.plan_for_memory(resumed.store, limit) == before.plan_for_memory(engine.store, limit)
         assert after.microbatches_per_round == before.microbatches_per_round
@@ -192,6 +193,13 @@ def test_profiled_costs_are_fitted_through_two_micro_batch_sizes():
     assert _at([(4.0, 5.0)], 8.0) == pytest.approx(10.0)  # one size: in proportion
     assert _at([(2.0, 1.0), (4.0, 5.0)], 8.0) == pytest.approx(10.0)  # a negative intercept: proportional
     assert _at([], 8.0) == 0.0
+    # micro-batches cut by tokens each have a size: a least-squares line (2.1 + 0.48 x) through them, and for
+    # memory the line raised to lie above every point
+    points = [(2.0, 3.1), (4.0, 3.9), (6.0, 5.1), (8.0, 5.9)]
+    assert _at(points, 10.0) == pytest.approx(2.1 + 0.48 * 10.0)
+    assert _at(points, 10.0, bound=True) > _at(points, 10.0)
+    assert all(_at(points, x, bound=True) >= y - 1e-12 for x, y in points)
+    assert _at([(2.0, 4.0), (4.0, 1.0), (6.0, 3.0)], 6.0) == pytest.approx(8.0 / 12.0 * 6.0)  # bent: proportional
 
 
 @pytest.mark.timeout(120)
@@ -577,5 +585,50 @@ def test_batches_of_other_sizes_are_no_drift():
                 seen, count = engine.planner.layer_costs, count + 1
         assert count == 0
         assert engine.planner.drift is not None and engine.planner.drift < 0.3
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_wider_samples_than_measured_get_a_plan_for_their_memory_from_the_same_costs():
+    """A padded batch longer than any measured (a language model's, padded per batch): before it runs, the plan
+    is chosen again from the measured costs for its micro-batches' memory, without measuring again; shorter
+    batches after it keep that plan, and every batch trains exactly."""
+    from lightning_roundpipe.schedule.partition import stage_memory
+
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = auto_engine(net, check_every=0)
+    g = torch.Generator().manual_seed(0)
+
+    def step(length: int) -> None:
+        x, y = torch.randn(8, length, 8, generator=g), torch.randn(8, length, 8, generator=g)
+        engine.train_batch(x, y, F.mse_loss)
+        engine.store.install_grads()
+        reference.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        for p, q in zip(net.parameters(), reference.parameters()):
+            assert relative_error(p.grad, q.grad) <= 1e-5
+        engine.store.clear_grads()
+
+    try:
+        step(4)  # measuring
+        planner, first = engine.planner, engine.plan
+        fitted, costs = planner.fitted, planner.layer_costs
+        assert fitted is not None and costs is not None and first != LayerProfile.plan(8)
+        need = max(stage_memory(costs, stage) for stage in first.stages())
+        planner.memory_limit = 1.5 * need  # the plan fits with room, but not at 8 times the tokens
+        step(4)
+        assert engine.plan == first and planner.row_elements == 4 * 8
+        step(32)
+        assert engine.plan != first and planner.fitted is fitted  # planned again, not measured again
+        assert planner.row_elements == 32 * 8 and planner.memory_elements == 4 * 32 * 8
+        wide = planner.layer_costs
+        assert wide is not None and all(stage_memory(wide, s) <= planner.memory_limit for s in engine.plan.stages())
+        assert max(stage_memory(wide, s) for s in first.stages()) > planner.memory_limit
+        second = engine.plan
+        for length in (4, 16, 32):  # no wider than seen: the plan stays
+            step(length)
+            assert engine.plan == second
     finally:
         engine.close()

@@ -73,7 +73,7 @@ def test_a_faster_smaller_plan_is_kept_after_both_are_timed():
     assert drive(watch, planner, range(6)) == []
     assert drive(watch, planner, range(6, 7)) == [(6, "B")]
     assert drive(watch, planner, range(7, 13)) == [(12, "A")]  # B timed over calls 8-12; A again, timed after
-    with pytest.warns(UserWarning, match="faster per sample: kept") as caught:
+    with pytest.warns(UserWarning, match="faster per token: kept") as caught:
         assert drive(watch, planner, range(13, 19)) == [(18, "B")]  # 20% faster than A over calls 14-18
     assert "20% faster" in str(caught[0].message)
     assert (watch.lowered, watch.reverted, planner.memory_limit) == (1, False, 6.0)

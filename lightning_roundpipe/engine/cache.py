@@ -12,7 +12,7 @@ device idles until the worker catches up. Measured on one H200 capped at 24 GiB 
 
 Frees are a symptom, not the cost: on the same card the Qwen3-8B shape kept freeing on ever smaller stages
 and ran slower on each (9,166 tokens/s on its first plan, 7,614 after three lowerings). So a lowering is a
-trial: :class:`CacheWatch` times the smaller plan's batches (seconds per sample between dispatches), then the
+trial: :class:`CacheWatch` times the smaller plan's batches (seconds per token between dispatches), then the
 plan before it again (after, so that anything that still speeds the run up by itself cannot favour the
 plan timed later), and keeps the smaller plan only when it was faster; otherwise the larger plan stays and
 the watch stops.
@@ -36,7 +36,7 @@ from lightning_roundpipe.schedule.plan import StagePlan
 @dataclass(frozen=True)
 class _Trial:
     """A smaller plan on trial: the plan, micro-batch count and limit before it and the limit tried, the
-    factors between them, and the tried plan's seconds per sample once timed (then the plan before it
+    factors between them, and the tried plan's seconds per input element once timed (then the plan before it
     runs again to be timed)."""
 
     plan: StagePlan
@@ -58,7 +58,7 @@ class CacheWatch:
     window = 4
     """Intervals between dispatches a plan's pace is taken over (before a trial, and on trial)."""
     gain = 0.03
-    """How much less time per sample a smaller plan must take to be kept (timing noise stays under it)."""
+    """How much less time per input element a smaller plan must take to be kept (timing noise stays under it)."""
     factor = 0.75
     """What the memory limit is multiplied by for a trial (0.8 of a card becomes 0.6, then 0.45)."""
     limit = 3
@@ -80,12 +80,12 @@ class CacheWatch:
         self.stopped = False
         """Nothing more is tried in this run (a trial failed, nothing smaller fits, or the plan is fixed)."""
         self.trials: list[dict[str, float | bool]] = []
-        """Each judged trial: the limits (GiB), both plans' seconds per sample, and whether it was kept."""
+        """Each judged trial: the limits (GiB), both plans' seconds per input element, and whether it was kept."""
         self._trial: _Trial | None = None
         self._tried = 0
         self._last: int | None = None
         self._streak = 0
-        self._times: deque[tuple[float, int]] = deque(maxlen=self.window + 1)  # (dispatch time, samples)
+        self._times: deque[list[float]] = deque(maxlen=self.window + 1)  # [dispatch time, samples, call, work]
 
     def forget(self) -> None:
         """The interval up to the next batch is not judged (an evaluation pass ran in it)."""
@@ -110,7 +110,7 @@ class CacheWatch:
             self._streak = 0
             self._times.clear()
             return None
-        self._times.append((now, samples))
+        self._times.append([now, samples, call, 0.0])
         if len(self._times) > 1:  # the interval that just ended ran on this plan, settled
             self._streak = self._streak + 1 if last is not None and releases > last else 0
         if len(self._times) <= self.window:
@@ -129,10 +129,19 @@ class CacheWatch:
         planner = self.planner
         return planner.plan, planner.microbatches_per_round, planner.memory_limit
 
+    def ran(self, call: int, elements: float) -> None:
+        """Batch ``call``, just dispatched, holds ``elements`` input elements in its micro-batches (tokens, for a
+        language model, padding trimmed): the work its interval is timed by."""
+        if self._times and self._times[-1][2] == call:
+            self._times[-1][3] = elements
+
     def _pace(self) -> float:
-        """Seconds per sample between the first and the last dispatch of the window."""
+        """Seconds per unit of work between the first and the last dispatch of the window: per input element
+        where the batches said (:meth:`ran`; a language model's batches differ in length), else per sample."""
         times = list(self._times)
-        return (times[-1][0] - times[0][0]) / max(1, sum(samples for _, samples in times[:-1]))
+        per_element = all(work for *_, work in times[:-1])
+        work = sum(entry[3] if per_element else entry[1] for entry in times[:-1])
+        return (times[-1][0] - times[0][0]) / max(1e-30, work)
 
     def _lower(self) -> StagePlan | None:
         """The first plan (or micro-batch count) that differs from the running one under a lower limit."""
@@ -176,7 +185,7 @@ class CacheWatch:
             self.lowered += trial.steps
             warnings.warn(
                 f"{self._what()} Stages planned for {now:.1f} GiB instead of {before:.1f} GiB ran"
-                f" {1 - trial.pace / pace:.0%} faster per sample: kept (RoundPipeStrategy(gpu_memory=...) sets"
+                f" {1 - trial.pace / pace:.0%} faster per token: kept (RoundPipeStrategy(gpu_memory=...) sets"
                 " where this starts).",
                 stacklevel=outside_package(),
             )
@@ -184,7 +193,7 @@ class CacheWatch:
         self.reverted = self.stopped = True
         warnings.warn(
             f"{self._what()} Stages planned for {now:.1f} GiB instead of {before:.1f} GiB were not faster"
-            f" ({trial.pace * 1e3:.3g} against {pace * 1e3:.3g} ms per sample): the plan for {before:.1f} GiB"
+            f" ({trial.pace * 1e6:.3g} against {pace * 1e6:.3g} s per million tokens): the plan for {before:.1f} GiB"
             " stays, not tried again in this run.",
             stacklevel=outside_package(),
         )

@@ -185,9 +185,12 @@ class PipelineEngine:
         batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"), split)
         if (plan := self.caches.next_plan(self.calls, batch.samples)) is not None:
             self.set_plan(plan)  # the allocators kept giving memory back: a smaller plan on trial, or the end of one
+        if (plan := self.planner.widen(self.store, batch.samples, batch.elements / batch.samples)) is not None:
+            self.set_plan(plan)  # wider (longer) samples than the plan was made for: its plan from the same costs
         start = self.dispatch_position
         attempt = self._launch(batch, self.calls, start)
         flight, self.calls = attempt.flight, self.calls + 1
+        self.caches.ran(flight.call, sum(flight.microbatch_elements))
         if attempt.mark is not None:  # settles; out of device memory it runs again on a smaller plan
             relaunch = partial(self._relaunch, batch, flight.call, start)
             flight = self.recovery.settle(attempt, relaunch, None if self.asynchronous else self._recover)

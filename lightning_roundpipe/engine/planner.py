@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from statistics import median
+from dataclasses import replace
 
+from lightning_roundpipe.engine.drift import DriftChecks
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.compiles import compile_mark
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.profile import LayerProfile, TransferRate, drift, stage_times_at
+from lightning_roundpipe.runtime.profile import LayerProfile, TransferRate, microbatch_sizes, stage_times_at
 from lightning_roundpipe.schedule.choose import PLANNERS, automatic_plan, microbatch_candidates, plan_with_microbatches
 from lightning_roundpipe.schedule.partition import Infeasible, LayerCosts, stage_memory
-from lightning_roundpipe.schedule.partition import stage_times as stage_times_of_plan
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.simulate import simulate
 
@@ -41,7 +41,7 @@ def default_microbatches(num_workers: int) -> int:
     return max(4, 2 * num_workers)
 
 
-class AutoPlanner:
+class AutoPlanner(DriftChecks):
     """The current plan, the measurements it came from, and the drift checks that may replace it.
 
     Args:
@@ -108,8 +108,11 @@ class AutoPlanner:
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
         self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
-        self.sample_elements = 0.0  # input elements per sample of the batches measured (tokens)
-        self.planned_elements = 0.0  # input elements of the micro-batch the plan's costs are for
+        self.mean_elements = 0.0  # input elements a sample brings to its micro-batch, over the batches measured
+        self.row_elements = 0.0  # the widest sample seen (a padded batch's length): what memory is planned for
+        self._measured = [0.0, 0.0]  # elements and samples of the batches measured
+        self.planned_elements = 0.0  # input elements of the micro-batch the plan's times are for
+        self.memory_elements = 0.0  # input elements of the largest micro-batch the plan's memory is for
         self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
@@ -178,12 +181,14 @@ class AutoPlanner:
                 return None
             self.profile.add(flight)
             self.batch_samples = max(self.batch_samples, flight.samples)
-            self.sample_elements = max(self.sample_elements, flight.sample_elements)
+            self._measured = [self._measured[0] + sum(microbatch_sizes(flight)), self._measured[1] + flight.samples]
+            self.mean_elements = self._measured[0] / self._measured[1]
+            self.row_elements = max(self.row_elements, flight.sample_elements or self.mean_elements)
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
         if self._is_check(flight) and compile_mark() == flight.compile_mark:  # a compile is no drift
-            sizes = (self.fitted, self.layer_costs, self.planned_elements, self.sample_elements)
+            sizes = (self.fitted, self.layer_costs, self.planned_elements)
             self._check_drift(stage_times_at(flight, store, self.plan, *sizes), flight.call)  # lengths are no drift
         return None
 
@@ -192,51 +197,67 @@ class AutoPlanner:
         self.profile, self.fitted = None, profile
         return self._choose(profile, store, self.batch_samples or self.num_microbatches, self.memory_limit)
 
-    def _choose(
-        self, profile: LayerProfile, store: HostStore, samples: int, limit: float | None, scale: float = 1.0
-    ) -> StagePlan:
-        """The plan (and, when chosen, the micro-batch count) for batches of ``samples`` under ``limit``,
-        each sample costing ``scale`` measured ones (then without the first micro-batch's one-off memory:
-        see :meth:`LayerProfile.costs`). Raises ``Infeasible`` when no plan fits."""
+    def _choose(self, profile: LayerProfile, store: HostStore, samples: int, limit: float | None) -> StagePlan:
+        """The plan (and, when chosen, the micro-batch count) for batches of ``samples`` under ``limit``: times
+        for micro-batches of the measured batches' mean size, memory for the widest sample seen in each (a
+        padded batch of variable lengths: every micro-batch within the plan's memory however its rows fall).
+        Raises ``Infeasible`` when no plan fits."""
         if self.chooses_microbatches:
             # no micro-batch smaller than measured (nor than the full batch's twice-halved count: a short
             # batch measured must not open hundreds of candidates to simulate on the main thread)
-            smallest = max(min(profile.sizes), samples / (4 * self.microbatches_per_round))
+            smallest = max(min(profile.sizes) / self.mean_elements, samples / (4 * self.microbatches_per_round))
             candidates = microbatch_candidates(samples, self.num_workers, smallest)
+            trip = self.transfers.round_trip
             count, chosen, self.candidate_periods = plan_with_microbatches(
-                lambda size: profile.costs(store, size * scale, scale == 1), samples, self.num_workers, candidates,
-                limit, self.planner, self.asynchronous, self.transfers.round_trip,
+                lambda size: self._costs_at(profile, store, size), samples, self.num_workers, candidates,
+                limit, self.planner, self.asynchronous, lambda size: trip(size * self.mean_elements),
             )  # fmt: skip
             self.microbatches_per_round = count
-            self.layer_costs = profile.costs(store, samples / count * scale, scale == 1)
-            self.planned_elements = self.sample_elements * samples / count * scale
+            self._planned(profile, store, samples / count)
             return chosen.plan
-        size = samples / max(1, min(samples, self.num_microbatches)) * scale
-        costs = profile.costs(store, size, scale == 1)
-        self.planned_elements = self.sample_elements * size
+        size = samples / max(1, min(samples, self.num_microbatches))
         plan = automatic_plan(
-            costs, self.num_workers, self.num_microbatches, limit, self.planner, self.asynchronous
+            self._costs_at(profile, store, size), self.num_workers, self.num_microbatches, limit, self.planner,
+            self.asynchronous,
         ).plan  # fmt: skip
-        self.layer_costs = costs
+        self._planned(profile, store, size)
         return plan
+
+    def _planned(self, profile: LayerProfile, store: HostStore, samples: float) -> None:
+        """The chosen plan's costs, for micro-batches of ``samples``."""
+        self.layer_costs = self._costs_at(profile, store, samples)
+        self.planned_elements, self.memory_elements = samples * self.mean_elements, samples * self.row_elements
+
+    def _costs_at(self, profile: LayerProfile, store: HostStore, samples: float) -> LayerCosts:
+        """Costs of a micro-batch of ``samples``: times at the mean elements per sample, memory at the widest
+        (the first micro-batch's one-off allocations left out beyond the sizes measured)."""
+        largest, mean, widest = max(profile.sizes), samples * self.mean_elements, samples * self.row_elements
+        times = profile.costs(store, mean, mean <= 1.01 * largest)
+        if widest <= mean:
+            return times
+        memory = profile.costs(store, widest, widest <= 1.01 * largest)
+        return replace(
+            times, forward_activations=memory.forward_activations, backward_activations=memory.backward_activations,
+            backward_transients=memory.backward_transients,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ out of device memory
     def shrink(self, flight: Flight, store: HostStore) -> StagePlan | None:
         """After ``flight`` (a guarded batch) ran out of device memory: the plan to run it again on, with
         the micro-batch count and memory limit changed to need less; ``None`` when nothing smaller is
         left. Measured memory first: the limit becomes 80% of what the failing stage was predicted to
-        need at the failed batch's micro-batch size (its samples scaled by how much larger they are than
-        the measured ones), and the plan and count are chosen again under it. Without that (a batch
-        that was measuring the layers) or when no plan fits it: twice the micro-batches, or where each
-        holds one sample already, the failing stage cut in two."""
+        need for the failed batch's largest micro-batch, and the plan and count are chosen again under it
+        (for its widest sample, if wider than any before). Without that (a batch that was measuring the
+        layers) or when no plan fits it: twice the micro-batches, or where each holds one sample already,
+        the failing stage cut in two."""
         samples = max(self.batch_samples, flight.samples)
-        scale = max(1.0, flight.sample_elements / self.sample_elements) if self.sample_elements else 1.0
         if self.fitted is not None and self.profile is None:
-            size = flight.samples / len(flight.targets) * scale
+            self.row_elements = max(self.row_elements, flight.sample_elements)
+            size = max(microbatch_sizes(flight))
             stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]
-            need = stage_memory(self.fitted.costs(store, size, scale == 1), stage)
+            need = stage_memory(self.fitted.costs(store, size, size <= 1.01 * max(self.fitted.sizes)), stage)
             limit = 0.8 * min(need, self.memory_limit or need)
-            if need > 0 and (plan := self.plan_for_memory(store, limit, samples, scale)) is not None:
+            if need > 0 and (plan := self.plan_for_memory(store, limit, samples)) is not None:
                 return plan
         if (total := flight.schedule.microbatches_per_round * flight.schedule.num_rounds) < flight.samples:
             self.microbatches_per_round = max(self.microbatches_per_round, 2 * total // self.num_rounds)
@@ -244,16 +265,38 @@ class AutoPlanner:
         stage = flight.schedule.plan.stages()[flight.fault_at[0].slot]  # one sample per micro-batch already:
         return flight.schedule.plan.split(stage.slot) if len(stage.layers) > 1 and self.profile is None else None
 
-    def plan_for_memory(self, store: HostStore, limit: float, samples: int = 0, scale: float = 1.0) -> StagePlan | None:
+    def plan_for_memory(self, store: HostStore, limit: float, samples: int = 0) -> StagePlan | None:
         """The plan (and count) chosen again from the last measurement under ``limit``, which becomes the
         memory limit; ``None`` without a measurement, or when no plan fits."""
         if self.fitted is None or self.profile is not None:
             return None
         samples = samples or self.batch_samples or self.num_microbatches
         with contextlib.suppress(Infeasible):
-            plan = self._choose(self.fitted, store, samples, limit, scale)
+            plan = self._choose(self.fitted, store, samples, limit)
             self.memory_limit = limit
             return plan
+        return None
+
+    def widen(self, store: HostStore, samples: int, row_elements: float) -> StagePlan | None:
+        """Before a batch with more samples, or a wider sample, than any the plan was made for: the plan (and
+        count) for it from the measured costs, without measuring again, when it differs from the running one;
+        ``None`` to stay (also when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
+        if not self.auto or self.fitted is None or self.profile is not None:
+            return None
+        if samples <= self.batch_samples and row_elements <= self.row_elements:
+            return None
+        running = (self.plan, self.microbatches_per_round, self.batch_samples, self.row_elements)
+        costs = (self.layer_costs, self.planned_elements, self.memory_elements)
+        self.batch_samples, self.row_elements = max(self.batch_samples, samples), max(self.row_elements, row_elements)
+        try:
+            plan = self._choose(self.fitted, store, self.batch_samples, self.memory_limit)
+        except Infeasible:
+            self.plan, self.microbatches_per_round, self.batch_samples, self.row_elements = running
+            self.layer_costs, self.planned_elements, self.memory_elements = costs
+            return None
+        if (plan, self.microbatches_per_round) != running[:2]:
+            return plan
+        self.layer_costs, self.planned_elements = costs[:2]  # the same plan: its times (and drift reference) stay
         return None
 
     def set_plan(self, plan: StagePlan, call: int) -> None:
@@ -268,7 +311,8 @@ class AutoPlanner:
         self.plan = LayerProfile.plan(self.num_layers)
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
         self._measuring_dispatched = self.batch_samples = self._compiled_batches = 0
-        self.sample_elements = 0.0
+        self.mean_elements = self.row_elements = 0.0
+        self._measured = [0.0, 0.0]
 
     def predict(self, handoff: float | None) -> None:
         """The simulator's bubble ratio for the current plan, measured layer costs and ``handoff``."""
@@ -278,70 +322,3 @@ class AutoPlanner:
                 self.layer_costs, self.num_workers, self.num_microbatches, plan=self.plan,
                 handoff=handoff or 0.0,
             ).bubble_ratio  # fmt: skip
-
-    # ------------------------------------------------------------------ drift
-    def _is_check(self, flight: Flight) -> bool:
-        """A batch recorded for the drift check (every ``check_every``, not a monitor's), on the plan."""
-        schedule = flight.schedule
-        return (
-            self.layer_costs is not None and self.auto and self.check_every > 0
-            and flight.call % self.check_every == 0 and flight.call >= self.plan_since and schedule.plan == self.plan
-            and (schedule.microbatches_per_round, schedule.num_rounds) == (self.microbatches_per_round, self.num_rounds)
-        )  # fmt: skip
-
-    def _check_drift(self, times: dict[int, list[float]], call: int) -> None:
-        """Stage times against the plan's own first timing, not the sums of per-layer costs (a stage runs
-        at its own pace; an offset every measurement shows would re-measure forever, seen on 2 H200s).
-        An offset at the first timing gets one more measurement; what remains is the plan's pace."""
-        if call <= self.plan_since:  # not the plan's first batch (allocations, first casts; or a resume's)
-            return
-        if self.reference is None:
-            slots = range(self.plan.num_slots)
-            if not all(times.get(slot) for slot in slots):
-                return
-            assert self.layer_costs is not None
-            if not self.offset_checked and drift(times, stage_times_of_plan(self.layer_costs, self.plan)) > (
-                self.replan_margin
-            ):
-                fits = self._measuring_fits()
-                if fits:
-                    self.replan()
-                self.offset_checked = True  # the plan from this measurement gets no further look
-                if fits:
-                    return
-            self.reference = [median(times[slot]) for slot in slots]
-            return
-        self.drift = drift(times, self.reference)
-        self.drifted = self.drifted + 1 if self.drift > self.replan_margin else 0
-        if self.drifted >= 2:
-            if self._measuring_fits():
-                self.replan()
-            else:
-                self.drifted = 0
-
-    def _measuring_fits(self) -> bool:
-        """Whether the host can hold a measuring batch (every layer's input kept for backward): a run that
-        fits its plan must not die of a re-measurement hours in; it keeps its plan, and says so once.
-        Boundaries as wide as the last recorded batch's widest, two rounds alive (one micro-batch each
-        when measuring)."""
-        measuring = len(LayerProfile.plan(self.num_layers).saved_boundaries()) * min(self.num_microbatches, 2)
-        planned = len(self.plan.saved_boundaries()) * min(self.num_microbatches, 2 * self.microbatches_per_round)
-        need = max(0, measuring - planned) * self._boundary_bytes
-        left = self.pool.available() - self.pool.reserve
-        if need <= left:
-            return True
-        if not self._warned_measuring:
-            self._warned_measuring = True
-            warnings.warn(
-                f"roundpipe: the stage times moved away from the plan's, but measuring the layers again (one"
-                f" layer per stage, every layer's input kept on the host for backward) would take about"
-                f" {_size(need)} more host memory than this plan, and {_size(max(0, left))} are free beyond"
-                " the pool's reserve: the current plan stays. Pass an explicit plan to RoundPipeStrategy to"
-                " pin one (docs/tuning.md).",
-                stacklevel=outside_package(),
-            )
-        return False
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -32,8 +32,9 @@ from collections.abc import Callable
 from functools import partial
 
 from lightning_roundpipe.engine.crew import Crew
+from lightning_roundpipe.engine.drift import _size
 from lightning_roundpipe.engine.launch import Attempt
-from lightning_roundpipe.engine.planner import AutoPlanner, _size
+from lightning_roundpipe.engine.planner import AutoPlanner
 from lightning_roundpipe.engine.steps import StepChain
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.flight import Flight

@@ -27,8 +27,10 @@ Split = Callable[[Any, Any, int], tuple[list[Any], list[Any]]]
 
 
 def input_elements(tree: Any) -> int:
-    """Input elements (tokens, for a language model) of the tensors in ``tree``."""
-    return sum(t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+    """A batch's size in input elements: its largest tensor's (tokens, for a language model's ids and labels).
+    The largest, not the sum: a micro-batch whose padding mask was dropped (all ones) holds as many tokens as
+    one that kept it, and the planner measures costs per element."""
+    return max((t.numel() for t in tree_flatten(tree)[0] if isinstance(t, Tensor)), default=0)
 
 
 def batch_size(tree: Any, what: str) -> int:

@@ -81,7 +81,7 @@ def stage_times(flight: Flight) -> dict[int, list[float]]:
 
 def stage_times_at(
     flight: Flight, store: HostStore, plan: StagePlan, profile: LayerProfile | None, planned: LayerCosts | None,
-    elements: float, sample_elements: float,
+    elements: float,
 ) -> dict[int, list[float]]:  # fmt: skip
     """A recorded batch's stage times, each micro-batch's as if it held the ``elements`` input elements the
     plan's costs (``planned``, from ``profile``) are for: scaled by the measured costs' stage times at the two
@@ -89,7 +89,7 @@ def stage_times_at(
     batch and cut by tokens) are then no drift; compared as they were, every check on a longer batch looked
     like a slowdown and measured the layers again."""
     times, sizes = stage_times(flight), flight.microbatch_elements
-    if profile is None or planned is None or not elements or not sample_elements or not sizes:
+    if profile is None or planned is None or not elements or not sizes:
         return times
     if all(abs(n - elements) <= 0.01 * elements for n in sizes):
         return times
@@ -99,10 +99,19 @@ def stage_times_at(
         for action, start, _, end, _ in records:
             n = sizes[action.microbatch]
             if n not in predicted:
-                predicted[n] = stage_times_of_plan(profile.costs(store, n / sample_elements), plan)
+                predicted[n] = stage_times_of_plan(profile.costs(store, n), plan)
             at = predicted[n][action.slot]
             scaled[action.slot].append(WorkerDevice.elapsed(start, end) * (target[action.slot] / at if at > 0 else 1.0))
     return scaled
+
+
+def microbatch_sizes(flight: Flight) -> list[float]:
+    """Each micro-batch's size in the unit costs are measured in: its input elements (tokens, for a language
+    model; micro-batches cut by tokens differ), or its share of the samples where the flight has no sizes."""
+    count = len(flight.targets)
+    if len(flight.microbatch_elements) == count:
+        return [float(n) for n in flight.microbatch_elements]
+    return [flight.samples / max(1, count)] * count
 
 
 def busy_seconds(flight: Flight) -> dict[int, float]:
@@ -114,14 +123,16 @@ def busy_seconds(flight: Flight) -> dict[int, float]:
 
 
 class LayerProfile:
-    """Per-layer samples gathered under the profiling plan (one layer per stage), by micro-batch size.
+    """Per-layer samples gathered under the profiling plan (one layer per stage), by micro-batch size in
+    input elements (tokens, for a language model: :func:`microbatch_sizes`).
 
     The batches measuring the layers may run at two micro-batch sizes (the engine halves the second's
-    when it chooses the micro-batch count itself): per layer, time and memory are then fitted as
-    ``a + b * samples`` through the two, which :meth:`costs` evaluates at any size. A fixed cost per
-    micro-batch (kernel launches, the host issuing a stage's work, small matrices running below the
-    device's rate) is what makes many small micro-batches slower than their samples' share; with one
-    size measured, costs scale in proportion to the samples.
+    when it chooses the micro-batch count itself), and a language model's micro-batches cut by tokens each
+    have a size of their own: per layer, time and memory are fitted as ``a + b * elements`` through the
+    sizes measured (:func:`_at`), which :meth:`costs` evaluates at any size. A fixed cost per micro-batch
+    (kernel launches, the host issuing a stage's work, small matrices running below the device's rate) is
+    what makes many small micro-batches slower than their share; with one size measured, costs scale in
+    proportion to the elements.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -135,7 +146,7 @@ class LayerProfile:
         }
         """Memory peaks of the first batch's first micro-batch (they carry the run's one-off allocations)."""
         self.sizes: set[float] = set()
-        """Samples per micro-batch of the batches measured (dim-0 size over the micro-batch count)."""
+        """Input elements of the micro-batches measured."""
         self.batches = 0
 
     @staticmethod
@@ -144,11 +155,11 @@ class LayerProfile:
 
     def add(self, flight: Flight) -> None:
         stages = flight.schedule.plan.stages()
-        size = flight.samples / max(1, len(flight.targets))
-        self.sizes.add(size)
+        sizes = microbatch_sizes(flight)
+        self.sizes.update(sizes)
         for records in flight.records.values():
             for action, start, mid, end, saved in records:
-                layer = (stages[action.slot].start, size)
+                layer = (stages[action.slot].start, sizes[action.microbatch])
                 if mid is None:
                     self.samples["forward"][layer].append(WorkerDevice.elapsed(start, end))
                 else:
@@ -156,7 +167,7 @@ class LayerProfile:
                     self.samples["backward"][layer].append(WorkerDevice.elapsed(mid, end))
                     self.samples["activations"][layer].append(saved)
         for action, nbytes in flight.memory:
-            layer = (stages[action.slot].start, size)
+            layer = (stages[action.slot].start, sizes[action.microbatch])
             kind = "forward_peaks" if action.op.value == "F" else "backward_transients"
             # a run's first micro-batch allocates one-offs (the matrix library's workspace): kept aside
             # for :meth:`costs` to leave out where it scales to much larger samples
@@ -164,20 +175,20 @@ class LayerProfile:
             (self._first if first else self.samples)[kind][layer].append(nbytes)
         self.batches += 1
 
-    def costs(self, store: HostStore, samples: float | None = None, one_offs: bool = True) -> LayerCosts:
-        """Costs of one micro-batch of ``samples`` samples (``None``: the largest size measured). Times are
-        medians (the first micro-batches of a run carry one-offs); memory peaks the largest seen (a limit
-        must hold for every micro-batch), 0 where not measured; the last layer's forward is its recompute
-        (it only runs in the fused stage, where forward and recompute are one). ``one_offs=False`` leaves
-        out the first micro-batch's peaks where others were measured: they hold the run's one-off
-        allocations (the matrix library's workspace, seen on an H200), which the fit would otherwise
-        scale with the samples; for costs far beyond the measured sizes."""
+    def costs(self, store: HostStore, elements: float | None = None, one_offs: bool = True) -> LayerCosts:
+        """Costs of one micro-batch of ``elements`` input elements (``None``: the largest size measured). Times
+        are medians (the first micro-batches of a run carry one-offs); memory the largest seen at a size and,
+        fitted over several sizes, above every one (a limit must hold for every micro-batch), 0 where not
+        measured; the last layer's forward is its recompute (it only runs in the fused stage, where forward
+        and recompute are one). ``one_offs=False`` leaves out the first micro-batch's peaks where others were
+        measured: they hold the run's one-off allocations (the matrix library's workspace, seen on an H200),
+        which the fit would otherwise scale with the elements; for costs far beyond the measured sizes."""
         sizes = sorted(self.sizes)
-        at = sizes[-1] if samples is None else samples
+        at = sizes[-1] if elements is None else elements
 
-        def fitted(kind: str, layer: int, pick: Any) -> float:
+        def fitted(kind: str, layer: int, pick: Any, bound: bool = False) -> float:
             points = [(s, pick(v)) for s in sizes if (v := self._of(kind, (layer, s), one_offs))]
-            return _at(points, at)
+            return _at(points, at, bound)
 
         def time(kind: str, layer: int) -> float:
             return fitted(kind, layer, median)
@@ -187,9 +198,9 @@ class LayerProfile:
         ]
         backward = [time("recompute", i) + time("backward", i) for i in range(self.num_layers)]
         params, grads = layer_bytes(store)
-        acts = [int(fitted("activations", i, fmean)) for i in range(self.num_layers)]
-        forward_peaks = [int(fitted("forward_peaks", i, max)) for i in range(self.num_layers)]
-        transients = [int(fitted("backward_transients", i, max)) for i in range(self.num_layers)]
+        acts = [int(fitted("activations", i, fmean, True)) for i in range(self.num_layers)]
+        forward_peaks = [int(fitted("forward_peaks", i, max, True)) for i in range(self.num_layers)]
+        transients = [int(fitted("backward_transients", i, max, True)) for i in range(self.num_layers)]
         return LayerCosts(
             tuple(forward), tuple(backward), tuple(params), tuple(grads), tuple(forward_peaks), tuple(acts),
             tuple(transients),
@@ -229,16 +240,16 @@ class LayerProfile:
 
 class TransferRate:
     """What a stage boundary's round trip through the host costs at any micro-batch size: a boundary's
-    bytes per sample and the upload rate of the first slot's weights, both from recorded batches."""
+    bytes per input element and the upload rate of the first slot's weights, both from recorded batches."""
 
     def __init__(self) -> None:
-        self.boundary_per_sample = 0.0
+        self.boundary_per_element = 0.0
         self.upload_rate = 0.0
         """Bytes per second host to device (0: not measured; CPU workers copy nothing)."""
 
     def measure(self, flight: Flight, store: HostStore) -> None:
-        if flight.boundary_bytes and flight.samples:
-            self.boundary_per_sample = flight.boundary_bytes * len(flight.targets) / flight.samples
+        if flight.boundary_bytes and flight.samples:  # the widest boundary: the largest micro-batch's
+            self.boundary_per_element = flight.boundary_bytes / max(microbatch_sizes(flight))
         if len(flight.first_upload) == 2:
             seconds = WorkerDevice.elapsed(*flight.first_upload)
             first = flight.schedule.stages()[0]
@@ -246,26 +257,37 @@ class TransferRate:
             if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
                 self.upload_rate = nbytes / seconds
 
-    def round_trip(self, samples: float) -> float:
-        """Seconds one micro-batch's boundary of ``samples`` takes down to the host and back up (0 when
-        the device's transfers were not measured)."""
+    def round_trip(self, elements: float) -> float:
+        """Seconds one micro-batch's boundary of ``elements`` input elements takes down to the host and back
+        up (0 when the device's transfers were not measured)."""
         if not self.upload_rate:
             return 0.0
-        return 2 * self.boundary_per_sample * samples / self.upload_rate
+        return 2 * self.boundary_per_element * elements / self.upload_rate
 
 
-def _at(points: list[tuple[float, float]], size: float) -> float:
-    """The line ``a + b * size`` through the two extreme measured sizes (``a`` at least 0), or the one
-    size's value in proportion; 0 without points."""
+def _at(points: list[tuple[float, float]], size: float, bound: bool = False) -> float:
+    """The line ``a + b * size`` (``a``, ``b`` at least 0) through the measured ``(size, value)`` points: through
+    the two when there are two, fitted by least squares when there are more (micro-batches cut by tokens each
+    have their own size), then raised by the largest point above it where ``bound`` (memory: a limit holds for
+    every micro-batch); in proportion to the largest size's value for one size, or where a noisy point bent
+    the line; 0 without points."""
     if not points:
         return 0.0
-    (s0, v0), (s1, v1) = points[0], points[-1]
-    if s1 > s0:
-        slope = (v1 - v0) / (s1 - s0)
-        intercept = v0 - slope * s0
-        if intercept >= 0 and slope >= 0:
-            return intercept + slope * size
-    return v1 * size / s1 if s1 > 0 else v1  # one size, or a fit that a noisy point bent: proportional
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(points) > 2:
+        mx, my = fmean(xs), fmean(ys)
+        spread = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in points) / spread if spread > 0 else -1.0
+    else:
+        slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if xs[-1] > xs[0] else -1.0
+        mx, my = xs[0], ys[0]
+    intercept = my - slope * mx
+    if slope >= 0 and intercept >= 0:
+        return intercept + slope * size + (max(y - intercept - slope * x for x, y in points) if bound else 0.0)
+    if len(points) > 2 and xs[-1] > 0:  # proportional: the ratio of the sums, or the largest ratio for a bound
+        ratio = max(y / x for x, y in points if x > 0) if bound else sum(ys) / max(sum(xs), 1e-30)
+        return ratio * size
+    return ys[-1] * size / xs[-1] if xs[-1] > 0 else ys[-1]
 
 
 def layer_bytes(store: HostStore) -> tuple[list[int], list[int]]:
