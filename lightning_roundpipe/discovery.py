@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_roundpipe.models import compiled
+from lightning_roundpipe.models import compiled, quantized
 from lightning_roundpipe.models.compiled import compile_options
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.runtime.microbatch import Split
@@ -30,6 +30,8 @@ class Pipelined:
     """The faster kernels bound onto the model's modules (``RoundPipeStrategy(kernels=...)``)."""
     compiled: list[str] = field(default_factory=list)
     """The modules whose ``forward`` was compiled (``RoundPipeStrategy(compile=...)``)."""
+    four_bit: int = 0
+    """bitsandbytes 4-bit layers (QLoRA's base weights) given their worker-side ``forward``."""
     split: Split | None = None
     """How its batches are cut into micro-batches (``None``: by samples; ``RoundPipeStrategy(split_by=...)``)."""
 
@@ -51,6 +53,9 @@ class Pipelined:
             hf.kernels.remove(hf.unwrap(self.hf_model))
         if self.compiled:
             compiled.remove(self.layers)
+        if self.four_bit:
+            for layer in self.layers:
+                quantized.remove(layer)
 
 
 def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -> Pipelined:
@@ -59,6 +64,10 @@ def pipelined_layers(module: nn.Module, options: RoundPipeOptions, cuda: bool) -
     (``options.kernels``) on CUDA workers (``cuda``): bound after, so that a compiled module keeps its own
     code for Inductor to fuse, and a block compiled whole traces into the kernels of its submodules."""
     pipelined = discover(module, options)
+    quantized.refuse_8bit(module)
+    pipelined.four_bit = sum(quantized.prepare(layer) for layer in pipelined.layers)
+    if pipelined.four_bit:
+        rank_zero_info(f"roundpipe: {pipelined.four_bit} 4-bit layers: stored and uploaded packed, run by bitsandbytes")
     if (kwargs := _compiling(options.compile, pipelined, cuda)) is not None:
         pipelined.compiled = compiled.apply(pipelined.layers, kwargs, fallback=options.compile == "auto")
         rank_zero_info(f"roundpipe: torch.compile on the layers' bodies: {', '.join(pipelined.compiled) or 'none'}")
@@ -80,6 +89,9 @@ def _compiling(choice: bool | str | dict, pipelined: Pipelined, cuda: bool) -> d
     if choice != "auto":
         return compile_options(choice)
     if not compiled.auto_applies(cuda, preset=pipelined.hf_model is not None):
+        return None
+    if pipelined.four_bit:
+        rank_zero_info("roundpipe: the blocks hold bitsandbytes 4-bit layers: left eager (compile=True compiles them)")
         return None
     if foreign := compiled.foreign_kernels(pipelined.layers):
         rank_zero_info(

@@ -12,7 +12,7 @@ them; the optimizer steps the host master weights, on a host thread in the async
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +26,7 @@ from lightning_roundpipe.build import build_engine
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.host_optimizer import HostStepClock, check_host_step, use_fused_kernels
+from lightning_roundpipe.models import quantized
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -283,8 +284,13 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._flush()
-        return super().lightning_module_state_dict()
+        self._flush()  # 4-bit base weights are the loaded model's, not written again
+        return quantized.without_base(super().lightning_module_state_dict(), self.lightning_module)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        quantized.load_without_base(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -296,43 +302,18 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self._flush()
         super().on_train_end()
 
-    def _begin_evaluation(self) -> None:
+    @override
+    def on_validation_start(self) -> None:  # Lightning's hooks do nothing: one body serves validation, test, predict
         if self.engine is not None:
             self.engine.begin_evaluation()  # flushes; the masters are what is evaluated
 
-    def _end_evaluation(self) -> None:
+    @override
+    def on_validation_end(self) -> None:
         if self.engine is not None:
             self.engine.end_evaluation()
 
-    @override
-    def on_validation_start(self) -> None:
-        self._begin_evaluation()
-        super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._end_evaluation()
-        super().on_validation_end()
-
-    @override
-    def on_test_start(self) -> None:
-        self._begin_evaluation()
-        super().on_test_start()
-
-    @override
-    def on_test_end(self) -> None:
-        self._end_evaluation()
-        super().on_test_end()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._begin_evaluation()
-        super().on_predict_start()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._end_evaluation()
-        super().on_predict_end()
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
 
     @classmethod
     @override
