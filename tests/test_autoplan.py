@@ -177,8 +177,9 @@ def test_the_microbatch_count_is_chosen_with_the_plan_from_two_measured_sizes():
         before, after = engine.planner, resumed.planner
         assert after.fitted is not None and before.fitted is not None
         assert after.fitted.costs(resumed.store, 3.0) == before.fitted.costs(engine.store, 3.0)
-        sizes = ("batch_samples", "mean_elements", "row_elements", "planned_elements", "memory_elements")
+        sizes = ("batch_samples", "planned_elements", "memory_elements")
         assert [getattr(after, n) for n in sizes] == [getattr(before, n) for n in sizes]
+        assert after.measured_sizes() == before.measured_sizes()
         limit = 1e9
         assert after.plan_for_memory(resumed.store, limit) == before.plan_for_memory(engine.store, limit)
         assert after.microbatches_per_round == before.microbatches_per_round
@@ -630,5 +631,36 @@ def test_wider_samples_than_measured_get_a_plan_for_their_memory_from_the_same_c
         for length in (4, 16, 32):  # no wider than seen: the plan stays
             step(length)
             assert engine.plan == second
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_memory_is_planned_for_the_largest_micro_batch_of_an_uneven_split():
+    """A split whose micro-batches differ in size (a language model's by tokens): times are planned for the mean
+    micro-batch, memory for the largest, by the measured largest-over-mean; training stays exact."""
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = auto_engine(net, check_every=0)
+
+    def uneven(inputs, target, num):  # the first micro-batch twice the others' rows
+        cut = [2 * len(inputs) // (num + 1)] + [len(inputs) // (num + 1)] * (num - 1)
+        cut[-1] += len(inputs) - sum(cut)
+        return list(inputs.split(cut)), list(target.split(cut))
+
+    try:
+        for s in range(3):
+            x, y = batch(s)
+            engine.train_batch(x, y, F.mse_loss, split=uneven)
+            engine.store.install_grads()
+            reference.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            for p, q in zip(net.parameters(), reference.parameters()):
+                assert relative_error(p.grad, q.grad) <= 1e-5
+            engine.store.clear_grads()
+        planner = engine.planner
+        assert planner.spread == pytest.approx(5 / 4)  # 8 rows as 5 + 3 while measuring, 4 a micro-batch on average
+        assert planner.memory_elements == pytest.approx(1.25 * planner.planned_elements)
+        assert planner.planned_elements == pytest.approx(8 / planner.num_microbatches * 8)  # 8 features a row
     finally:
         engine.close()

@@ -55,7 +55,10 @@ def test_rows_of_similar_lengths_go_together_trimmed_and_their_costs_balanced():
         # trimmed to its own longest row: its last column is some row's real token
         assert mask is None or bool(mask[:, -1].any())
         assert width <= int(lengths.max())
-    assert padding_tokens(micro) < int((batch["attention_mask"] == 0).sum())  # less padding than the batch
+    real = int(batch["attention_mask"].sum())
+    assert padding_tokens(micro, real) < int((batch["attention_mask"] == 0).sum())  # less padding than the batch
+    # right padding, unlabelled: the padding masks are left out (the causal mask alone is exact)
+    assert all(mask is None for _, mask, _, _ in micro)
     assert sum(int((labels != -100).sum()) for *_, labels in micro) == int((batch["labels"] != -100).sum())
     costs = [split.cost(m[0].shape[0], m[0].shape[1]) for m in micro]
     total = sum(split.cost(1, int(n)) for n in lengths)  # every row alone, unpadded: no grouping does better
@@ -74,6 +77,13 @@ def test_a_batch_without_padding_or_with_a_label_in_the_padding_is_cut_by_sample
     inputs = as_inputs(batch)
     micro, _ = TokenSplit()(inputs, inputs[-1], 2)
     assert all(m[0].shape[1] == batch["input_ids"].shape[1] for m in micro)
+    assert any(m[1] is not None for m in micro)  # a labelled padded position: its prediction reads the mask
+    left = instruction_batch(rows=4, seed=2)
+    left = {k: v.flip(1) for k, v in left.items()}  # left padding: the causal mask alone would let tokens see it
+    left["labels"] = left["input_ids"].masked_fill(left["attention_mask"] == 0, -100)
+    inputs = as_inputs(left)
+    micro, _ = TokenSplit()(inputs, inputs[-1], 2)
+    assert any(m[1] is not None for m in micro)  # the padding mask stays
 
 
 class LM(L.LightningModule):

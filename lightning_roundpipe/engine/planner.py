@@ -109,8 +109,9 @@ class AutoPlanner(DriftChecks):
         self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
         self.mean_elements = 0.0  # input elements a sample brings to its micro-batch, over the batches measured
-        self.row_elements = 0.0  # the widest sample seen (a padded batch's length): what memory is planned for
-        self._measured = [0.0, 0.0]  # elements and samples of the batches measured
+        self.row_elements = 0.0  # the widest sample seen (a padded batch's length): memory is planned for no more
+        self.spread = 1.0  # the measured batches' largest micro-batch over their mean (elements): memory's margin
+        self._measured = [0.0, 0.0, 0.0]  # elements, samples and the widest sample of the batches measured
         self.planned_elements = 0.0  # input elements of the micro-batch the plan's times are for
         self.memory_elements = 0.0  # input elements of the largest micro-batch the plan's memory is for
         self.transfers = TransferRate()
@@ -181,9 +182,12 @@ class AutoPlanner(DriftChecks):
                 return None
             self.profile.add(flight)
             self.batch_samples = max(self.batch_samples, flight.samples)
-            self._measured = [self._measured[0] + sum(microbatch_sizes(flight)), self._measured[1] + flight.samples]
+            sizes = microbatch_sizes(flight)
+            self._measured[:2] = [self._measured[0] + sum(sizes), self._measured[1] + flight.samples]
             self.mean_elements = self._measured[0] / self._measured[1]
+            self.spread = max(self.spread, max(sizes) * len(sizes) / sum(sizes))
             self.row_elements = max(self.row_elements, flight.sample_elements or self.mean_elements)
+            self._measured[2] = self.row_elements
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
@@ -226,12 +230,27 @@ class AutoPlanner(DriftChecks):
     def _planned(self, profile: LayerProfile, store: HostStore, samples: float) -> None:
         """The chosen plan's costs, for micro-batches of ``samples``."""
         self.layer_costs = self._costs_at(profile, store, samples)
-        self.planned_elements, self.memory_elements = samples * self.mean_elements, samples * self.row_elements
+        self.planned_elements, self.memory_elements = self.sizes_for(samples)
+
+    def measured_sizes(self) -> list[float]:
+        """What micro-batch sizes are estimated from (mean, widest, spread, widest measured), for a checkpoint."""
+        return [self.mean_elements, self.row_elements, self.spread, self._measured[2]]
+
+    def restore_sizes(self, saved: list[float]) -> None:
+        self.mean_elements, self.row_elements, self.spread, self._measured[2] = map(float, saved)
+
+    def sizes_for(self, samples: float) -> tuple[float, float]:
+        """Input elements of a micro-batch of ``samples``: on average (times: the measured mean per sample, grown
+        with the widest sample since), and of the largest (memory: the mean times the measured batches' largest
+        over their mean; cut by tokens, the longest rows go together, their costs balanced with the others')."""
+        fill = self.mean_elements / self._measured[2] if self._measured[2] else 1.0
+        mean = samples * fill * self.row_elements if self.row_elements else samples * self.mean_elements
+        return mean, mean * self.spread
 
     def _costs_at(self, profile: LayerProfile, store: HostStore, samples: float) -> LayerCosts:
         """Costs of a micro-batch of ``samples``: times at the mean elements per sample, memory at the widest
         (the first micro-batch's one-off allocations left out beyond the sizes measured)."""
-        largest, mean, widest = max(profile.sizes), samples * self.mean_elements, samples * self.row_elements
+        largest, (mean, widest) = max(profile.sizes), self.sizes_for(samples)
         times = profile.costs(store, mean, mean <= 1.01 * largest)
         if widest <= mean:
             return times
@@ -312,7 +331,7 @@ class AutoPlanner(DriftChecks):
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
         self._measuring_dispatched = self.batch_samples = self._compiled_batches = 0
         self.mean_elements = self.row_elements = 0.0
-        self._measured = [0.0, 0.0]
+        self.spread, self._measured = 1.0, [0.0, 0.0, 0.0]
 
     def predict(self, handoff: float | None) -> None:
         """The simulator's bubble ratio for the current plan, measured layer costs and ``handoff``."""

@@ -38,7 +38,7 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "microbatches_per_round": count,
         "memory_limit": limit,  # lowered where a batch ran out of device memory, or a smaller plan paid
         "fitted": None if planner.fitted is None else planner.fitted.state(),  # what it plans again from
-        "measured": [planner.batch_samples, planner.mean_elements, planner.row_elements],  # costs are per element
+        "measured": [planner.batch_samples, *planner.measured_sizes()],  # costs are per element
         "transfers": [planner.transfers.boundary_per_element, planner.transfers.upload_rate],
     }
     optimizer = engine.crew.optimizer
@@ -69,17 +69,16 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
         elif plan.num_layers == planner.num_layers:
             planner.profile = None
             fitted = state.get("fitted")  # older checkpoints measured per sample (two "measured" values): not used
-            if fitted is not None and int(fitted["num_layers"]) == planner.num_layers and len(state["measured"]) == 3:
+            if fitted is not None and int(fitted["num_layers"]) == planner.num_layers and len(state["measured"]) == 5:
                 planner.fitted = LayerProfile.from_state(fitted)
                 planner.batch_samples = int(state["measured"][0])
-                planner.mean_elements, planner.row_elements = map(float, state["measured"][1:])
+                planner.restore_sizes(state["measured"][1:])
                 planner.transfers.boundary_per_element, planner.transfers.upload_rate = map(float, state["transfers"])
             if planner.chooses_microbatches and state.get("microbatches_per_round"):  # chosen with the plan
                 planner.microbatches_per_round = int(state["microbatches_per_round"])
             if planner.fitted is not None:  # the sizes the plan's costs are for (drift checks scale to them)
                 size = planner.batch_samples / max(1, min(planner.batch_samples, planner.num_microbatches))
-                planner.planned_elements = size * planner.mean_elements
-                planner.memory_elements = size * planner.row_elements
+                planner.planned_elements, planner.memory_elements = planner.sizes_for(size)
             engine.set_plan(plan)
             # the plan's own timing, so that a resumed run (another machine, say) is judged against it
             reference = state.get("drift_reference")
