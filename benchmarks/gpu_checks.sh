@@ -27,6 +27,7 @@
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone)
+#        qlora-70b qlora-8b (issue 40: bitsandbytes' wheel in .whl, installed with the others)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
@@ -188,6 +189,15 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-8-default.json"
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 130 "${vl[@]}" --seqs 32 --warmup 10 \
         --steps 4 --config-timeout 120 --out "$OUT/varlen-32-expandable.json" ;;
+    qlora-70b)  # issue 40 (bitsandbytes carried as a wheel): the Llama-3.1-70B shape, NF4 base, LoRA r=16, roundpipe's
+      # defaults at 24 GiB, then plain Lightning QLoRA (checkpointing) on the full card. Not yet run: budget a call
+      run qlora-70b-roundpipe 330 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \
+        --warmup 4 --steps 2 --config-timeout 320 --out "$OUT/qlora-70b-roundpipe.json"
+      run qlora-70b-plain 260 python benchmarks/qlora.py --shape llama-70b --configs plain --warmup 2 --steps 2 \
+        --config-timeout 250 --out "$OUT/qlora-70b-plain.json" ;;
+    qlora-8b)  # issue 40: the Llama-3.1-8B shape at 24 GiB, 4-bit base against bf16 base (LoRA both), roundpipe's defaults
+      run qlora-8b 420 python benchmarks/qlora.py --shape llama-8b --configs roundpipe,roundpipe-bf16 --gpu-gib 24 \
+        --warmup 6 --steps 3 --config-timeout 200 --out "$OUT/qlora-8b.json" ;;
     generic)  # issue 38: the table's stages against the generic path, full card, one call. About 200 s
       run generic 260 python benchmarks/lightning_user.py --configs newcomer,newcomer-generic --warmup 10 --steps 6 \
         --config-timeout 125 --out "$OUT/generic.json" ;;

@@ -107,6 +107,18 @@ def test_qlora_trains_to_the_adapter_weights_of_plain_lightning(saved, quant_typ
 
 
 @pytest.mark.timeout(120)
+def test_qlora_with_split_and_tiled_blocks_equals_plain_lightning(saved):
+    """Each block as two layers, its token-wise parts over tiles of 8 tokens (recomputed tile by tile in
+    backward): the 4-bit layers' state is the slot's in every tile."""
+    plain = QLoRA(saved)
+    fit(plain, "auto", 1, steps=2)
+    ours = QLoRA(saved)
+    strategy = RoundPipeStrategy(num_microbatches=3, async_optimizer=False, split_decoder_layers=True, tile_tokens=8)
+    fit(ours, strategy, 2, steps=2)
+    assert relative_error(adapters(ours), adapters(plain)) <= 1e-4
+
+
+@pytest.mark.timeout(120)
 def test_the_host_holds_the_packed_weights_once_and_only_adapters_get_optimizer_state(saved):
     """The frozen 4-bit weights are uint8 groups of the host store, within 10% of the packed size with their
     quantization state; no floating-point copy of them exists; masters and gradients only for the adapters."""
@@ -190,3 +202,27 @@ def test_an_8bit_base_is_refused_with_what_to_do(saved):
         pytest.skip(f"8-bit loading on this CPU: {error}")
     with pytest.raises(ValueError, match="load_in_4bit=True"):
         quantized.refuse_8bit(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qlora_on_a_gpu_with_every_default_trains_like_plain_lightning(saved):
+    """bitsandbytes' CUDA kernels on the worker, the packed weights and their state uploaded from the host; plain
+    Lightning runs the same model on the card. bf16-mixed, bf16 compute: within bf16's rounding."""
+
+    def run(strategy) -> QLoRA:
+        module = QLoRA(saved, compute=torch.bfloat16)
+        L.seed_everything(0, verbose=False)
+        L.Trainer(
+            strategy=strategy, accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(module, data(3))  # fmt: skip
+        return module
+
+    plain = run("auto")
+    ours = run(RoundPipeStrategy(async_optimizer=False))
+    start = adapters(QLoRA(saved, compute=torch.bfloat16))
+    moved = relative_error(adapters(plain).cpu(), start)
+    assert moved > 1e-3 and relative_error(adapters(ours), adapters(plain).cpu()) <= 0.05 * moved
+    assert all(p.device.type == "cpu" for p in ours.parameters())  # the model stays on the host
