@@ -26,7 +26,7 @@
 #        compile="auto")
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
-#        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone)
+#        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        qlora-70b qlora-8b (issue 40: bitsandbytes' wheel in .whl, installed with the others)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
@@ -176,19 +176,20 @@ for step in "${steps[@]}"; do
         --configs newcomer --warmup 26 --steps 6 --config-timeout 140 --out "$OUT/varlen-24gib.json"
       run varlen-24gib-32 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
         --configs newcomer --warmup 12 --steps 4 --config-timeout 280 --out "$OUT/varlen-24gib-32.json" ;;
-    varlen-default)  # issue 39 (plans in tokens): the default alone on the varlen data, 32 sequences full card, the
-      # fixed-length default (not slower), 32 at 24 GiB, 8 full card, 32 with expandable segments. About 500 s
+    varlen-default)  # issue 39 (plans in tokens): the default alone on the varlen data, 32 sequences a step on the full
+      # card and at 24 GiB, 8 on the full card. About 550 s (the first version's measuring batches took longer: the
+      # padding mask's cost, gone in fb11b3d)
       vl=(python benchmarks/lightning_user.py --varlen 256,4096 --configs newcomer)
-      run varlen-32-default 170 "${vl[@]}" --seqs 32 --warmup 10 --steps 4 --config-timeout 160 \
+      run varlen-32-default 210 "${vl[@]}" --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \
         --out "$OUT/varlen-32-default.json"
-      run defaults-newcomer 140 python benchmarks/lightning_user.py --configs newcomer --warmup 10 --steps 6 \
-        --config-timeout 130 --out "$OUT/defaults-newcomer.json"
-      run varlen-32-24gib 190 "${vl[@]}" --seqs 32 --gpu-gib 24 --warmup 12 --steps 4 --config-timeout 180 \
+      run varlen-32-24gib 220 "${vl[@]}" --seqs 32 --gpu-gib 24 --warmup 14 --steps 4 --config-timeout 210 \
         --out "$OUT/varlen-32-24gib.json"
-      run varlen-8-default 110 "${vl[@]}" --seqs 8 --warmup 10 --steps 6 --config-timeout 100 \
-        --out "$OUT/varlen-8-default.json"
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 130 "${vl[@]}" --seqs 32 --warmup 10 \
-        --steps 4 --config-timeout 120 --out "$OUT/varlen-32-expandable.json" ;;
+      run varlen-8-default 150 "${vl[@]}" --seqs 8 --warmup 10 --steps 6 --config-timeout 140 \
+        --out "$OUT/varlen-8-default.json" ;;
+    varlen-expandable)  # issue 39: 32 a step, full card, the allocator's expandable segments (fragmentation). About 200 s
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
+        --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \
+        --out "$OUT/varlen-32-expandable.json" ;;
     qlora-70b)  # issue 40 (bitsandbytes carried as a wheel): the Llama-3.1-70B shape, NF4 base, LoRA r=16, roundpipe's
       # defaults at 24 GiB, then plain Lightning QLoRA (checkpointing) on the full card. Not yet run: budget a call
       run qlora-70b-roundpipe 330 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \
