@@ -39,6 +39,7 @@ class StreamingCheckpointIO(pl.plugins.TorchCheckpointIO):  # type: ignore[misc,
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         try:
+            os.chmod(tmp, 0o666 & ~_umask())  # as a plain open() would make it (mkstemp's file is private: 0600)
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -47,3 +48,10 @@ class StreamingCheckpointIO(pl.plugins.TorchCheckpointIO):  # type: ignore[misc,
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it, then put back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -235,14 +235,24 @@ def _warn_explicit_choice(optimizer: torch.optim.Optimizer, groups: list[dict[st
         theirs = step_seconds(optimizer, group, fused=False) * params / CALIBRATION_ELEMENTS
         fused = step_seconds(optimizer, group, fused=True) * params / CALIBRATION_ELEMENTS
         cost = (
-            f" takes at least {theirs:.2f} s per step for these {params / 1e9:.3f} B parameters here, its fused CPU"
-            f" kernel about {fused:.2f} s (measured on {CALIBRATION_ELEMENTS / 2**20:.0f} Mi parameters)."
+            f" takes at least {_seconds(theirs)} per step for these {_count(params)} parameters here, its fused CPU"
+            f" kernel about {_seconds(fused)} (measured on {CALIBRATION_ELEMENTS / 2**20:.0f} Mi parameters)."
         )
     except Exception:  # a subclass with its own constructor, settings the fused kernel refuses
         cost = ", not torch's fused CPU kernel (several times faster for Adam, AdamW, SGD and Adagrad)."
     warnings.warn(
         f"roundpipe steps the optimizer on the host: {name}({choice}){cost} {advice}", stacklevel=outside_package()
     )
+
+
+def _seconds(seconds: float) -> str:
+    if seconds >= 0.1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.2g} µs"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
 
 
 def step_seconds(optimizer: torch.optim.Optimizer, group: dict[str, Any], fused: bool) -> float:

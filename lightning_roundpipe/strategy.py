@@ -164,11 +164,11 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         if fitting and not self.lightning_module.automatic_optimization:
             raise ValueError(
                 "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
-                " and let Lightning call the optimizer."
+                f" and let Lightning call the optimizer. {_ONE_OPTIMIZER}"
             )
         self._setup_engine(trainer, training=fitting)
         if fitting:
-            self.setup_optimizers(trainer)
+            _setup_optimizers(self, trainer)
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
             check_host_step(self.optimizers)
         self.setup_precision_plugin()
@@ -322,6 +322,27 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             strategy_registry.register(
                 cls.strategy_name, cls, description="RoundPipe: host-resident model states, round-robin stages"
             )
+
+
+_ONE_OPTIMIZER = (
+    "For several optimizers, put the parameters in groups of one optimizer, each group with its own settings, e.g."
+    " torch.optim.AdamW([{'params': body.parameters(), 'lr': 1e-5}, {'params': head.parameters(), 'lr': 1e-3}]);"
+    " a scheduler then schedules every group (LambdaLR takes one function per group)."
+)
+
+
+def _setup_optimizers(strategy: Any, trainer: Any) -> None:
+    """Lightning's optimizers; where it refuses several, what to do under roundpipe (its own message points to
+    manual optimization, which roundpipe does not support: the host steps one optimizer for every parameter)."""
+    try:
+        strategy.setup_optimizers(trainer)
+    except RuntimeError as error:
+        if "multiple optimizers" not in str(error):
+            raise
+        raise ValueError(
+            "roundpipe trains with one optimizer, stepped on the host; manual optimization is not supported."
+            f" {_ONE_OPTIMIZER}"
+        ) from error
 
 
 def _warn_about_gradient_hooks(module: Any) -> None:

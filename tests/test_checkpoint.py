@@ -170,3 +170,21 @@ def test_double_buffer_needs_the_asynchronous_optimizer():
         RoundPipeStrategy(async_optimizer=False, double_buffer=True)
     with pytest.raises(ValueError, match="not one of"):
         RoundPipeStrategy(double_buffer="both")
+
+
+def test_checkpoint_files_follow_the_umask_as_plain_lightnings_do(tmp_path):
+    """The temporary file a streamed checkpoint is written through is private (0600); the checkpoint takes the
+    mode a plain open() gives (0644 under the usual umask 022), as Lightning's own writer does."""
+    import os
+
+    from lightning_roundpipe.checkpoint_io import StreamingCheckpointIO
+
+    old = os.umask(0o022)
+    try:
+        StreamingCheckpointIO().save_checkpoint({"x": torch.zeros(2)}, tmp_path / "a.ckpt")
+        os.umask(0o027)
+        StreamingCheckpointIO().save_checkpoint({"x": torch.zeros(2)}, tmp_path / "b.ckpt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.ckpt").stat().st_mode & 0o777 == 0o640

@@ -178,8 +178,23 @@ def test_manual_optimization_is_refused():
             super().__init__()
             self.automatic_optimization = False
 
-    with pytest.raises(ValueError, match="automatic optimization only"):
+    with pytest.raises(ValueError, match="automatic optimization only") as refused:
         fit(Manual, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    assert "groups of one optimizer" in str(refused.value)  # what to do instead
+
+
+def test_two_optimizers_are_refused_with_what_to_do_instead():
+    """Lightning's own message sends the user to manual optimization, which roundpipe refuses: ours says to use
+    parameter groups of one optimizer."""
+
+    class Two(BoringPipeline):
+        def configure_optimizers(self):
+            params = list(self.parameters())
+            return [torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)]
+
+    with pytest.raises(ValueError, match="groups of one optimizer") as refused:
+        fit(Two, {**CPU, "devices": 2, "strategy": "roundpipe"})
+    assert "manual optimization is not supported" in str(refused.value)
 
 
 _EXPLODE = {"after": -1, "calls": 0}
