@@ -4,7 +4,13 @@ every method here does nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +20,9 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime.exchange import NodeExchange
+
+NOTICE_EVERY = 30.0
+"""Seconds between the lines a node prints while it waits for the other nodes to join (tests shorten it)."""
 
 
 class Nodes:
@@ -32,8 +41,9 @@ class Nodes:
         self.rank = rank
         cluster_environment.set_global_rank(rank)
         cluster_environment.set_world_size(self.count)
-        _init_dist_connection(cluster_environment, "gloo", rank, self.count, timeout=timeout)
-        self._grad_group = dist.new_group(backend="gloo", timeout=timeout)
+        with Rendezvous(cluster_environment, rank, self.count, timeout).waiting(NOTICE_EVERY):
+            _init_dist_connection(cluster_environment, "gloo", rank, self.count, timeout=timeout)
+            self._grad_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def join(self, engine: PipelineEngine, asynchronous: bool) -> None:
         """Start from node 0's weights and wire the exchange: the optimizer thread's (asynchronous) or
@@ -113,3 +123,102 @@ class Nodes:
         shards: list[Any] = [None] * self.count
         dist.all_gather_object(shards, state["state"])
         return {**state, "state": {k: v for shard in shards for k, v in shard.items()}}
+
+
+class Rendezvous:
+    """What a node waits for while the nodes' process group forms: said on stderr at once (every node, not
+    only node 0), again every ``NOTICE_EVERY`` seconds until the group formed, and as a note on torch's
+    error when it did not (issue 41: a second node never started used to mean 30 silent minutes)."""
+
+    def __init__(self, environment: Any, rank: int, count: int, timeout: timedelta) -> None:
+        self.rank, self.count, self.seconds = rank, count, timeout.total_seconds()
+        self.host, self.port = environment.main_address, environment.main_port  # a chosen port is kept
+        self.address = f"{self.host}:{self.port}"
+        self.manual = type(environment).__name__ == "LightningEnvironment"  # no launcher: started by hand
+        self.launcher = type(environment).__name__
+        spans = [(a, b) for a, b in ((0, rank - 1), (rank + 1, count - 1)) if b >= a]
+        self.others = " and ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans)
+        self.first_other = 1 if rank == 0 else 0
+
+    def first(self) -> str:
+        lines = [
+            f"roundpipe: node {self.rank} of {self.count} (NODE_RANK={self.rank}) is waiting for the other nodes"
+            f" (NODE_RANK {self.others}) to join at {self.address} (MASTER_ADDR:MASTER_PORT, where node 0"
+            f" listens): {self.count} processes in all, one per node."
+        ]
+        if self.manual:
+            example = f"MASTER_ADDR={self.host} MASTER_PORT={self.port} NODE_RANK={self.first_other}"
+            lines.append(
+                "  Start the same command on each other node with the same MASTER_ADDR and MASTER_PORT and its own"
+                f" NODE_RANK, e.g. `{example} {shlex.join(sys.orig_argv)}`, or start"
+                f" every node through torchrun (--nnodes {self.count} --nproc_per_node 1 --node_rank R) or srun"
+                " (one task per node)."
+            )
+            lines += self._unset()
+        else:
+            lines.append(
+                f"  This process was started through a launcher ({self.launcher}): check that it started the other"
+                f" nodes too (torchrun --nnodes {self.count} on each node, or srun with one task per node)."
+            )
+        lines.append(
+            f"  It gives up after {self.seconds:g} s and fails; see 'Waiting for the other nodes' in docs/multinode.md."
+        )
+        return "\n".join(lines)
+
+    def _unset(self) -> list[str]:
+        """Hints for the variables a manual start left unset (read before Lightning sets MASTER_*)."""
+        hints = []
+        if "MASTER_ADDR" not in os.environ:
+            hints.append(f"MASTER_ADDR is not set, so {self.host}: set it to node 0's address on every node.")
+        if "MASTER_PORT" not in os.environ:
+            hints.append(
+                f"MASTER_PORT is not set, so a free port ({self.port}) the others cannot know: set one on every node."
+            )
+        if "NODE_RANK" not in os.environ and "GROUP_RANK" not in os.environ:
+            hints.append("NODE_RANK is not set, so this is node 0: give each node its own.")
+        return [f"  {hint}" for hint in hints]
+
+    def again(self, waited: float) -> str:
+        return (
+            f"roundpipe: node {self.rank} of {self.count} still waiting for the other nodes (NODE_RANK {self.others})"
+            f" at {self.address}: {waited:.0f} s so far, gives up after about {self.seconds:g} s (docs/multinode.md)."
+        )
+
+    def note(self, waited: float) -> str:
+        return (
+            f"roundpipe: node {self.rank} of {self.count} waited {waited:.0f} s (RoundPipeStrategy(timeout="
+            f"{self.seconds:g})) for the other nodes (NODE_RANK {self.others}, {self.count} processes in all) at"
+            f" {self.address}. Were they started, with the same MASTER_ADDR and MASTER_PORT and their own NODE_RANK"
+            " (or through torchrun or srun)? See 'Waiting for the other nodes' in docs/multinode.md."
+        )
+
+    @contextmanager
+    def waiting(self, every: float) -> Iterator[None]:
+        """Says what this node waits for, repeats it every ``every`` seconds from a daemon thread while the
+        body runs, stops once the body ends (joined: no line comes after), adds the note to its error."""
+        started, done, reminded = time.monotonic(), threading.Event(), threading.Event()
+
+        def remind() -> None:
+            while not done.wait(every):
+                _say(self.again(time.monotonic() - started))
+                reminded.set()
+
+        _say(self.first())
+        thread = threading.Thread(target=remind, name="roundpipe-rendezvous", daemon=True)
+        thread.start()
+        try:
+            yield
+        except Exception as error:
+            error.add_note(self.note(time.monotonic() - started))
+            raise
+        finally:
+            done.set()
+            thread.join(timeout=10)
+        if reminded.is_set():
+            _say(
+                f"roundpipe: node {self.rank}: all {self.count} nodes joined after {time.monotonic() - started:.0f} s."
+            )
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
