@@ -23,10 +23,12 @@ pl = lightning_package(globals())
 _rank_zero_only = pl.utilities.rank_zero_only
 
 
-class NodeProcesses(pl.strategies.ParallelStrategy):  # type: ignore[misc,name-defined]
+class _NodeProcesses(pl.strategies.ParallelStrategy):  # type: ignore[misc,name-defined]
     """A ``ParallelStrategy`` with one process per node: the model stays on the host (the root device) and
     the node's devices are workers; world size and global rank count nodes, the distributed sampler
-    splits data over nodes, and collectives run on gloo between nodes."""
+    splits data over nodes, and collectives run on gloo between nodes. Its name is private so that
+    LightningCLI's list of strategies (jsonargparse leaves out private class paths) shows only
+    ``RoundPipeStrategy``, which users pick; ``NodeProcesses`` is the name the package uses."""
 
     def __init__(self, timeout: timedelta, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -118,3 +120,6 @@ class NodeProcesses(pl.strategies.ParallelStrategy):  # type: ignore[misc,name-d
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+
+NodeProcesses = _NodeProcesses

@@ -48,3 +48,19 @@ def test_strategy_by_name_on_the_command_line(tmp_path, monkeypatch):
          f"--trainer.default_root_dir={tmp_path}", *SMALL]
     )  # fmt: skip
     assert isinstance(cli.trainer.strategy, RoundPipeStrategy) and cli.trainer.global_step == 2
+
+
+def test_the_cli_lists_the_strategy_users_pick_and_shows_its_options(monkeypatch, capsys):
+    """``fit --help`` lists ``RoundPipeStrategy`` among the strategies, not its internal base class, and
+    ``--trainer.strategy.help RoundPipeStrategy`` shows the strategy's arguments (the README says so)."""
+    import pytest
+
+    monkeypatch.setattr(sys, "argv", ["finetune_lm.py"])
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--help"])
+    listed = capsys.readouterr().out
+    assert done.value.code == 0 and "lightning_roundpipe.RoundPipeStrategy" in listed
+    assert "NodeProcesses" not in listed
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--trainer.strategy.help", "RoundPipeStrategy"])
+    assert done.value.code == 0 and "--trainer.strategy.num_microbatches" in capsys.readouterr().out
