@@ -37,6 +37,9 @@ class StepStats:
         """(worker, action, start, end) of the last measured batch (see :func:`profile.timeline`)."""
         self.last_timeline_origin = 0.0
         """``time.perf_counter`` of the last timeline's zero (its first worker's start)."""
+        self.last_timeline_plan: StagePlan | None = None
+        """The plan the last timeline's batch ran on (its slots' layers; a measuring batch's plan is not the
+        engine's plan after it)."""
         self.handoff: float | None = None
         """Seconds from a batch's last loss to the earliest start of the next batch's first slot, as
         the simulator charges it: the host's turn between two batches (from ``train_batch`` returning
@@ -72,7 +75,7 @@ class StepStats:
 
     def use(self, flight: Flight, plan: StagePlan) -> bool:
         """Take a recorded batch's measurements; ``True`` when the handoff moved (predict again)."""
-        self.last_timeline = timeline(flight)
+        self.last_timeline, self.last_timeline_plan = timeline(flight), flight.schedule.plan
         self.last_timeline_origin = min(host for _, host in flight.references.values())
         period = self._period(flight.call)
         busy = busy_seconds(flight)
