@@ -132,6 +132,7 @@ DENSE = sorted(arch for arch, (_, _, extra) in CONFIGS.items() if "output_router
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.alongside  # dynamo tracing on one core: half of these in a second process (tests/alongside.py)
 @pytest.mark.parametrize("arch", DENSE)
 def test_every_dense_architectures_compiled_blocks_equal_the_model_run_directly(arch):
     """What ``compile="auto"`` does to each family on a GPU, traced here by dynamo (``aot_eager``: the graphs
@@ -141,6 +142,7 @@ def test_every_dense_architectures_compiled_blocks_equal_the_model_run_directly(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.alongside
 def test_compiled_blocks_with_lora_adapters_equal_the_model_run_directly():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny("qwen3"), peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))

@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,8 @@ SMOKE = {
                   "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--in-process", *TINY],
     "lightning_user": ["--device", "cpu", "--model", "debug", "--configs",
                        "plain,newcomer,tuned-2-gm0.6,fused-2-compile", "--seqs", "4", "--micro-batch", "2",
-                       "--steps", "2", "--warmup", "3", "--norm", "torch", "--compile-backend", "aot_eager",
-                       "--in-process", *TINY],
+                       "--steps", "2", "--warmup", "3", "--norm", "torch", "--compile-backend", "eager",
+                       "--in-process", *TINY],  # dynamo alone: the script's compile path, not AOT's (test_compile)
     "measuring_memory": ["--device", "cpu", "--layers", "3", "--width", "8", "--batch", "64"],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
@@ -57,15 +59,103 @@ def failed_configurations(results: object) -> list[object]:
     return [r for r in items if isinstance(r, dict) and "error" in r]
 
 
+SPLIT_TILED = "split-and-tiled"  # the commands of the two tests below the smoke test's
+VARLEN = "varlen"
+OWN_COMMAND = {  # test (not the smoke test): the command it checks
+    "test_baselines_roundpipe_with_split_and_tiled_blocks_runs_on_cpu": SPLIT_TILED,
+    "test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed": VARLEN,
+}
+
+
+def benchmark_command(name: str, out: Path) -> list[str]:
+    """The command line of a smoke run (``SMOKE``'s scripts, writing ``out``) or of ``SPLIT_TILED`` or
+    ``VARLEN``."""
+    if name == SPLIT_TILED:  # 64 tokens per micro-batch: 8 tiles per MLP layer
+        args = [*SMOKE["baselines"], "--run", "roundpipe", "--split-blocks", "--tile-tokens", "8"]
+        return [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), *args]
+    if name == VARLEN:
+        args = ["--device", "cpu", "--model", "debug", "--configs", "plain,plain-packed,newcomer", "--varlen",
+                "4,40", "--seqs", "8", "--micro-batch", "4", "--steps", "2", "--warmup", "2", "--in-process",
+                *TINY]  # fmt: skip
+        return [sys.executable, str(ROOT / "benchmarks" / "lightning_user.py"), *args, "--out", str(out)]
+    return [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *SMOKE[name], "--out", str(out)]
+
+
+class BenchmarkRuns:
+    """The benchmark commands of this module's selected tests, started when the first of them needs one, two
+    at a time, in the tests' order; each a child of a ``prewarmed`` server (``tests/prewarmed.py``: a process
+    that starts with torch and Lightning imported, its script run as ``python script.py args`` would run).
+    Most of a fresh process's time went to those imports, on one core at a time: the eleven smoke runs and
+    the two below took 177 s one after another. Every test still waits for its own command and checks it
+    (the same command, the same 220 s limit on it, the same assertions); a driver's configurations in
+    processes of their own (``baselines``, ``scaling``) are still fresh processes."""
+
+    def __init__(self, server, commands: dict[str, tuple[list[str], Path]]) -> None:
+        self._server = server
+        self._lock = threading.Lock()
+        self._procs: list = []
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="benchmark-run")
+        self._runs: dict[str, Future] = {
+            name: self._pool.submit(self._run, cmd, cwd) for name, (cmd, cwd) in commands.items()
+        }
+
+    def _run(self, cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the module's tests ended before this command started")
+            proc = self._server.popen(cmd[1:], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=cwd,
+                                      stdout=cwd / "stdout.txt", stderr=cwd / "stderr.txt")  # fmt: skip
+            self._procs.append(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=220)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+    def result(self, name: str) -> subprocess.CompletedProcess:
+        return self._runs[name].result()
+
+    def close(self) -> None:
+        """No command outlives the module's tests (a stopped session, ``-x``): not started ones never start,
+        running ones are killed."""
+        with self._lock:
+            self._closed = True
+            for run in self._runs.values():
+                run.cancel()
+            for proc in self._procs:
+                proc.kill()
+        self._pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def benchmark_runs(request, tmp_path_factory, prewarmed):
+    """A command and its working folder per selected test of this module that runs one, started at once."""
+    commands = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if item.originalname == "test_benchmark_runs_on_cpu" and callspec is not None:
+            name = callspec.params["script"]
+        elif item.originalname in OWN_COMMAND:
+            name = OWN_COMMAND[item.originalname]
+        else:
+            continue
+        folder = tmp_path_factory.mktemp(name)
+        commands[name] = (benchmark_command(name, folder / "result.json"), folder)
+    runs = BenchmarkRuns(prewarmed[0], commands)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("script", sorted(SMOKE))
-def test_benchmark_runs_on_cpu(script, tmp_path):
-    out = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *SMOKE[script], "--out", str(out)],
-        capture_output=True, text=True, timeout=220, env=env, cwd=tmp_path,
-    )  # fmt: skip
+def test_benchmark_runs_on_cpu(script, benchmark_runs):
+    proc = benchmark_runs.result(script)
+    out = Path(proc.args[proc.args.index("--out") + 1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())
     assert re.match(rf"(\S+=\S+ )*python benchmarks/{script}\.py ", written["meta"]["command"])
@@ -228,14 +318,9 @@ def test_baselines_chart_collects_what_the_files_hold_and_draws_it(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_baselines_roundpipe_with_split_and_tiled_blocks_runs_on_cpu(tmp_path):
+def test_baselines_roundpipe_with_split_and_tiled_blocks_runs_on_cpu(benchmark_runs):
     """One configuration as the driver runs it (``--run``: the driver's own process is tested above)."""
-    tiles = ["--split-blocks", "--tile-tokens", "8"]  # 64 tokens per micro-batch: 8 tiles per MLP layer
-    args = [*SMOKE["baselines"], "--run", "roundpipe", *tiles]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), *args], capture_output=True, text=True,
-        timeout=220, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
-    )  # fmt: skip
+    proc = benchmark_runs.result(SPLIT_TILED)  # --split-blocks --tile-tokens 8
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
@@ -271,16 +356,11 @@ def test_split_blocks_is_the_same_model_with_twice_the_layers():
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
 
 
-def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(tmp_path):
+def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(benchmark_runs):
     """``--varlen`` (issue 39): instruction-like sequences padded per batch, or packed for plain; tokens/s
     counts the real tokens, the same number of them in every configuration's timed steps."""
-    out = tmp_path / "varlen.json"
-    args = ["--device", "cpu", "--model", "debug", "--configs", "plain,plain-packed,newcomer", "--varlen", "4,40",
-            "--seqs", "8", "--micro-batch", "4", "--steps", "2", "--warmup", "2", "--in-process", *TINY]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "lightning_user.py"), *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=220, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path,
-    )  # fmt: skip
+    proc = benchmark_runs.result(VARLEN)  # plain,plain-packed,newcomer --varlen 4,40 --seqs 8 --steps 2
+    out = Path(proc.args[proc.args.index("--out") + 1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert not failed_configurations(results), results

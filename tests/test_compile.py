@@ -43,7 +43,8 @@ class Counting:
 
 class Traced(Counting):
     """Counts the graphs and runs them as dynamo traced them, without AOT autograd's tracing of the backward:
-    for tests about which variants dynamo makes, at a fraction of the time."""
+    for tests about which variants dynamo makes, or about what happens around a compile (a compiled forward
+    bound and taken off), not about its numbers: at a fraction of the time."""
 
     def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> object:
         self.graphs += 1
@@ -76,6 +77,7 @@ def train(layers: list[nn.Module], lengths: list[int], workers: int = 2, **kwarg
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.alongside  # compile-heavy: may run in a second process (tests/alongside.py)
 @pytest.mark.parametrize("split", [False, True])
 def test_compiled_blocks_train_to_the_weights_of_plain_lightning(split):
     from test_hf import fit_hf
@@ -92,6 +94,7 @@ def test_compiled_blocks_train_to_the_weights_of_plain_lightning(split):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.alongside  # compile-heavy: may run in a second process (tests/alongside.py)
 def test_one_compiled_code_serves_every_block_worker_and_sequence_length():
     counting = Counting()
     few, many = hf.build_layers(qwen3(2)), hf.build_layers(qwen3(6))
@@ -111,6 +114,7 @@ def test_one_compiled_code_serves_every_block_worker_and_sequence_length():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.alongside  # compile-heavy: may run in a second process (tests/alongside.py)
 def test_compiled_blocks_equal_eager_ones_through_the_engine():
     eager, model = qwen3(), qwen3()
     layers = hf.build_layers(model)
@@ -249,6 +253,7 @@ def test_bad_compile_arguments_are_refused_when_the_strategy_is_made(value, matc
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.alongside  # compile-heavy: may run in a second process (tests/alongside.py)
 def test_training_evaluation_unpadded_and_single_sample_batches_stay_within_torch_compiles_variant_limit():
     """A run makes more variants of a block than the 8 torch.compile keeps per code object (grad mode, training
     mode, a mask or none, a one-sample batch; a frozen embedding's ``requires_grad`` under LoRA); past the
@@ -304,7 +309,7 @@ def test_a_setup_that_fails_after_compiling_leaves_the_model_as_it_was_and_the_n
     blocks = list(module.model.model.layers)
 
     def trainer() -> L.Trainer:
-        strategy = RoundPipeStrategy(num_microbatches=2, compile={"backend": Counting()})
+        strategy = RoundPipeStrategy(num_microbatches=2, compile={"backend": Traced()})
         return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
+import os
 
 import lightning as L
 import pytest
@@ -386,16 +385,21 @@ def test_use_cache_warns_and_missing_labels_is_an_error():
         trainer.fit(NoLabels(), hf_data())
 
 
-def test_core_package_does_not_import_transformers_or_peft():
-    """The presets are imported only when a Hugging Face model is pipelined; nothing else imports them."""
+def test_core_package_does_not_import_transformers_or_peft(tmp_path, prewarmed):
+    """The presets are imported only when a Hugging Face model is pipelined; nothing else imports them. (The
+    import runs in a process of its own that starts with torch and Lightning imported: ``prewarmed``.)"""
     import ast
     from pathlib import Path
 
     import lightning_roundpipe
 
-    code = "import sys, lightning_roundpipe; assert 'lightning_roundpipe.models.hf' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
     root = Path(lightning_roundpipe.__file__).parent
+    script = tmp_path / "imports.py"
+    script.write_text("import sys, lightning_roundpipe\nassert 'lightning_roundpipe.models.hf' not in sys.modules\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = prewarmed[0].popen([script], env=env, cwd=tmp_path, stdout=tmp_path / "out.txt")
+    log, _ = proc.communicate(timeout=100)
+    assert proc.returncode == 0, log[-3000:]
     for path in root.rglob("*.py"):  # models/hf/ too: its transformers imports are inside functions
         for node in ast.parse(path.read_text()).body:  # module-level imports only
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -44,6 +45,7 @@ def free_port() -> int:
 
 
 def start_nodes(
+    servers: list,
     tmp_path: Path,
     num_nodes: int,
     mode: str,
@@ -52,7 +54,12 @@ def start_nodes(
     *extra: str,
     clip: float = 0.0,
     env_extra: dict[str, str] | None = None,
+    runs: Path | None = None,
 ) -> list:
+    """One ``node_run.py`` process per node, node ``r`` a child of ``servers[r]`` (the ``prewarmed`` fixture:
+    it starts with torch and Lightning imported); its output, stdout and stderr together, in ``node{r}.log``.
+    One fit, or with ``runs`` the fits that JSON file lists, one after another (``mode`` and ``epochs`` are
+    then the runs')."""
     env_extra = env_extra or {}
     tmp_path.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -65,8 +72,10 @@ def start_nodes(
             env.pop(key, None)
         out = tmp_path / f"node{rank}.pt"
         cmd = [sys.executable, str(HERE / "node_run.py"), str(out), str(num_nodes), mode, str(batch_size), str(epochs)]
-        procs.append((subprocess.Popen([*cmd, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True), out))  # fmt: skip
+        if runs is not None:
+            cmd = [sys.executable, str(HERE / "node_run.py"), "--runs", str(runs), str(num_nodes), str(batch_size)]
+        log = tmp_path / f"node{rank}.log"
+        procs.append((servers[rank].popen([*cmd[1:], *extra], env=env, cwd=os.getcwd(), stdout=log), out))
     return procs
 
 
@@ -86,30 +95,98 @@ def left(deadline: float) -> float:
     return max(1.0, deadline - time.monotonic())
 
 
-def launch_nodes(
-    tmp_path: Path, num_nodes: int, mode: str, batch_size: int, epochs: int, clip: float = 0.0, **env: str
-) -> list:
-    procs = start_nodes(tmp_path, num_nodes, mode, batch_size, epochs, clip=clip, env_extra=env)
-    results = []
+def launch_runs(servers: list, folder: Path, runs: dict[str, dict]) -> dict[str, list]:
+    """Two nodes of batches of 6 that fit ``runs`` (name: ``node_run.py --runs`` entry, without ``out``) one
+    after another in the same two processes; per run, what each node wrote."""
+    folder.mkdir(parents=True, exist_ok=True)
+    listed = [{**run, "out": str(folder / f"{name}-node{{rank}}.pt")} for name, run in runs.items()]
+    (folder / "runs.json").write_text(json.dumps(listed))
+    procs = start_nodes(servers, folder, 2, "", 6, 0, runs=folder / "runs.json")
     try:
-        for proc, out in procs:
+        for proc, _ in procs:
             log, _ = proc.communicate(timeout=240)
             assert proc.returncode == 0, log[-3000:]
-            results.append(torch.load(out))
     finally:
         kill_all([proc for proc, _ in procs])
-    return results
+    return {name: [torch.load(folder / f"{name}-node{rank}.pt") for rank in range(2)] for name in runs}
+
+
+EQUAL_CASES = [("sync", 0.0, "32-true"), ("async", 0.0, "32-true"), ("sync", 0.05, "32-true"),
+               ("async", 0.05, "32-true"), ("async", 0.0, "bf16-true")]  # fmt: skip
+
+
+class TwoNodeRuns:
+    """The two-node fits of this module's selected equality and resume tests, run when the first of them asks:
+    every 2-epoch fit and every 1-epoch fit that saves a checkpoint in one pair of processes, then the fits
+    resuming from those checkpoints in a second pair (11 pairs of processes before, each with its start-up
+    and process group). The fits are what they were, each with its own module, strategy and Trainer, seeded
+    alike, and each test checks its own; the resume tests' uninterrupted run is the equality test's fit
+    without clipping, and they resume in processes other than those that saved."""
+
+    def __init__(self, servers: list, folder: Path, cases: list[tuple], resume_modes: list[str]) -> None:
+        self.servers, self.folder, self.resume_modes = servers, folder, resume_modes
+        self.cases = list(dict.fromkeys([*cases, *[(mode, 0.0, "32-true") for mode in resume_modes]]))
+        self._launched: dict[str, dict | BaseException] = {}
+
+    @staticmethod
+    def name(case: tuple) -> str:
+        mode, clip, precision = case
+        return f"{mode}-clip{clip}-{precision}"
+
+    def checkpoint(self, mode: str) -> Path:
+        self._launch("first")
+        return self.folder / f"checkpoints-{mode}" / "epoch=0.ckpt"
+
+    def fit(self, case: tuple) -> list:
+        """What the two nodes wrote after 2 epochs of ``case`` (mode, clip, precision)."""
+        return self._launch("first")[self.name(case)]
+
+    def resumed(self, mode: str) -> list:
+        """What the two nodes wrote after resuming ``mode``'s 1-epoch checkpoint for a second epoch."""
+        self._launch("first")
+        return self._launch("resumed")[f"resumed-{mode}"]
+
+    def _launch(self, which: str) -> dict:
+        if which not in self._launched:  # once: a failed launch fails every test that needs it, with its log
+            if which == "first":
+                runs = {self.name(case): {"mode": case[0], "epochs": 2, "clip": case[1], "precision": case[2]}
+                        for case in self.cases}  # fmt: skip
+                for mode in self.resume_modes:  # a first epoch that saves a checkpoint
+                    runs[f"checkpointed-{mode}"] = {"mode": mode, "epochs": 1,
+                                                    "ckpt_dir": str(self.folder / f"checkpoints-{mode}")}  # fmt: skip
+            else:
+                runs = {f"resumed-{mode}": {"mode": mode, "epochs": 2, "resume": str(self.checkpoint(mode))}
+                        for mode in self.resume_modes}  # fmt: skip
+            try:
+                self._launched[which] = launch_runs(self.servers, self.folder / which, runs)
+            except BaseException as failed:
+                self._launched[which] = failed
+        launched = self._launched[which]
+        if isinstance(launched, BaseException):
+            raise launched
+        return launched
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(request, tmp_path_factory, prewarmed):
+    cases, resume_modes = [], []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        if item.originalname == "test_two_nodes_equal_one_process_over_the_same_global_batches":
+            cases.append((params["mode"], params["clip"], params["precision"]))
+        elif item.originalname == "test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_states":
+            resume_modes.append(params["mode"])
+    return TwoNodeRuns(prewarmed, tmp_path_factory.mktemp("two-node-runs"), cases, resume_modes)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "mode, clip, precision",
-    [("sync", 0.0, "32-true"), ("async", 0.0, "32-true"), ("sync", 0.05, "32-true"), ("async", 0.05, "32-true"),
-     ("async", 0.0, "bf16-true")],
-)  # fmt: skip
-def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode, clip, precision):
-    """bf16-true: bf16 gradients reduced over gloo, bf16 optimizer states sharded."""
-    nodes = launch_nodes(tmp_path, 2, mode, batch_size=6, epochs=2, clip=clip, PRECISION=precision)
+@pytest.mark.parametrize("mode, clip, precision", EQUAL_CASES)
+def test_two_nodes_equal_one_process_over_the_same_global_batches(two_node_runs, mode, clip, precision):
+    """bf16-true: bf16 gradients reduced over gloo, bf16 optimizer states sharded. The nodes fit in batches
+    of 6 for 2 epochs (``TwoNodeRuns``: the five cases one after another in one pair of processes)."""
+    nodes = two_node_runs.fit((mode, clip, precision))
     assert [n["rank"] for n in nodes] == [0, 1] and all(n["world_size"] == 2 for n in nodes), nodes
     assert nodes[0]["sampler"] == ("DistributedSampler", True)  # Lightning put in the strategy's sampler
     assert nodes[0]["logged"] == nodes[1]["logged"] == 0.5  # self.log(..., sync_dist=True) averages nodes
@@ -131,13 +208,13 @@ def test_two_nodes_equal_one_process_over_the_same_global_batches(tmp_path, mode
 
 
 @pytest.mark.timeout(300)
-def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path):
+def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path, prewarmed):
     """Both optimizer modes at once: two independent pairs of nodes, so their start-ups overlap."""
     import time
 
     start = time.monotonic()
-    pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, "3", "1") for mode in ("sync", "async")}  # node 1
-    try:  # ends abruptly at step 3
+    pairs = {mode: start_nodes(prewarmed, tmp_path / mode, 2, mode, 6, 2, "3", "1") for mode in ("sync", "async")}
+    try:  # node 1 ends abruptly at step 3
         for mode, ((survivor, _), (dead, _)) in pairs.items():
             dead.wait(timeout=left(start + 240))
             log, _ = survivor.communicate(timeout=left(start + 240))
@@ -150,14 +227,20 @@ def test_a_node_that_dies_makes_the_other_fail_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path):
-    """Both optimizer modes at once: the 20 s each survivor waits out would otherwise come twice. 20 s also
-    bounds start-up and every exchange before the hang: room for four processes on a busy 2-core machine."""
+def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path, prewarmed):
+    """Both optimizer modes at once: the timeout each survivor waits out would otherwise come twice. The two
+    nodes of a pair start together (``START_TOGETHER``: each waits, once it has imported what it needs, for
+    the other), so the timeout bounds only the exchanges of training up to the hang, not how much later one
+    of four processes got there on a busy 2-core machine: 8 s of them instead of 20."""
     import time
 
-    hang = {"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "20"}
+    hang = {"HANG_RANK": "1", "HANG_AT": "3", "PG_TIMEOUT": "8"}
     start = time.monotonic()
-    pairs = {mode: start_nodes(tmp_path / mode, 2, mode, 6, 2, env_extra=hang) for mode in ("sync", "async")}
+    pairs = {
+        mode: start_nodes(prewarmed, tmp_path / mode, 2, mode, 6, 2,
+                          env_extra={**hang, "START_TOGETHER": str(tmp_path / mode / "started")})
+        for mode in ("sync", "async")
+    }  # fmt: skip
     logs = {}
     try:
         for mode, ((survivor, _), _) in pairs.items():  # well before the stuck nodes' 120 s sleep ends
@@ -173,20 +256,21 @@ def test_a_node_that_hangs_makes_the_other_fail_after_the_timeout(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_states(tmp_path, mode):
-    straight = launch_nodes(tmp_path / "a", 2, mode, 6, 2)
-    launch_nodes(tmp_path / "b", 2, mode, 6, 1, CKPT_DIR=str(tmp_path / "ckpt"))
-    checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
+def test_two_nodes_resume_exactly_from_a_checkpoint_with_sharded_optimizer_states(two_node_runs, mode):
+    """2 epochs straight; 1 epoch that saves a checkpoint; from it, the second epoch in new processes (batches
+    of 6, ``TwoNodeRuns``)."""
+    straight = two_node_runs.fit((mode, 0.0, "32-true"))
+    checkpoint = two_node_runs.checkpoint(mode)
     saved = torch.load(checkpoint, weights_only=False)
     assert len(saved["optimizer_states"][0]["state"]) == len(list(BoringPipeline().parameters()))  # gathered
-    resumed = launch_nodes(tmp_path / "c", 2, mode, 6, 2, RESUME=str(checkpoint))
+    resumed = two_node_runs.resumed(mode)
     assert relative_error(resumed[0]["weights"], straight[0]["weights"]) <= 1e-6
     assert resumed[0]["optimizer_state"] and not set(resumed[0]["optimizer_state"]) & set(resumed[1]["optimizer_state"])
 
 
 @pytest.mark.timeout(120)
-def test_nodes_with_different_models_are_refused(tmp_path):
-    procs = start_nodes(tmp_path, 2, "sync", 6, 1, env_extra={"WIDTH": "20", "WIDTH_RANK": "1"})
+def test_nodes_with_different_models_are_refused(tmp_path, prewarmed):
+    procs = start_nodes(prewarmed, tmp_path, 2, "sync", 6, 1, env_extra={"WIDTH": "20", "WIDTH_RANK": "1"})
     try:
         for proc, _ in procs:
             log, _ = proc.communicate(timeout=100)
