@@ -25,11 +25,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from _driver import add_in_process_flag, run_or_drive, write
+from lightning_user import LM, Clock, GiB, ResidentMemory, Tokens, _Remember, allocator_stats
 from torch import nn
 from torch.utils.data import DataLoader
-
-from _driver import add_in_process_flag, run_or_drive, write
-from lightning_user import GiB, LM, Clock, ResidentMemory, Tokens, _Remember, allocator_stats
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,18 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train_and_compare(engine: PipelineEngine, net: nn.Module, reference: nn.Module, batches: int) -> None:
     """Train ``batches`` batches; after each, the engine's gradients equal plain autograd's on ``reference``."""
     for s in range(batches):
-        x, y = batch(s)
-        engine.train_batch(x, y, F.mse_loss)
-        engine.store.install_grads()
-        reference.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        for p, q in zip(net.parameters(), reference.parameters()):
-            assert relative_error(p.grad, q.grad) <= 1e-5
-        engine.store.clear_grads()
+        step_and_compare(engine, net, reference, *batch(s))
+
+
+def step_and_compare(engine: PipelineEngine, net: nn.Module, reference: nn.Module, x, y, **kwargs) -> None:
+    """One batch; the engine's gradients equal plain autograd's on ``reference``."""
+    engine.train_batch(x, y, F.mse_loss, **kwargs)
+    engine.store.install_grads()
+    reference.zero_grad()
+    F.mse_loss(reference(x), y).backward()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert relative_error(p.grad, q.grad) <= 1e-5
+    engine.store.clear_grads()
 
 
 def auto_engine(net: nn.Sequential | None = None, **kwargs) -> PipelineEngine:
@@ -603,14 +607,9 @@ def test_wider_samples_than_measured_get_a_plan_for_their_memory_from_the_same_c
     g = torch.Generator().manual_seed(0)
 
     def step(length: int) -> None:
-        x, y = torch.randn(8, length, 8, generator=g), torch.randn(8, length, 8, generator=g)
-        engine.train_batch(x, y, F.mse_loss)
-        engine.store.install_grads()
-        reference.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        for p, q in zip(net.parameters(), reference.parameters()):
-            assert relative_error(p.grad, q.grad) <= 1e-5
-        engine.store.clear_grads()
+        step_and_compare(
+            engine, net, reference, torch.randn(8, length, 8, generator=g), torch.randn(8, length, 8, generator=g)
+        )
 
     try:
         step(4)  # measuring
@@ -650,14 +649,7 @@ def test_memory_is_planned_for_the_largest_micro_batch_of_an_uneven_split():
 
     try:
         for s in range(3):
-            x, y = batch(s)
-            engine.train_batch(x, y, F.mse_loss, split=uneven)
-            engine.store.install_grads()
-            reference.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            for p, q in zip(net.parameters(), reference.parameters()):
-                assert relative_error(p.grad, q.grad) <= 1e-5
-            engine.store.clear_grads()
+            step_and_compare(engine, net, reference, *batch(s), split=uneven)
         planner = engine.planner
         assert planner.spread == pytest.approx(5 / 4)  # 8 rows as 5 + 3 while measuring, 4 a micro-batch on average
         assert planner.memory_elements == pytest.approx(1.25 * planner.planned_elements)
