@@ -27,7 +27,7 @@
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
-#        qlora-70b qlora-8b (issue 40: bitsandbytes' wheel in .whl, installed with the others)
+#        qlora-70b qlora-8b tests-qlora (issue 40: bitsandbytes' wheel in .whl, installed with the others)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
 # At most 8 files come back from one device call: each step writes a log and, mostly, a JSON.
@@ -52,6 +52,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     tests) run gpu-tests 420 python -m pytest -q -s -p no:cacheprovider -m gpu tests/ --ignore=tests/test_compile.py ;;
+    tests-qlora) run gpu-tests-qlora 60 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_qlora.py ;;
     tests-compile)  # Inductor compiles of every dense family, about 25 s a test cold: 13 took just over 300 s (2026-12-03)
       run gpu-tests-compile 420 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_compile.py ;;
     soak) run soak 420 python benchmarks/soak.py --out "$OUT/soak.json" ;;
@@ -192,10 +193,10 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-32-expandable.json" ;;
     qlora-70b)  # issue 40 (bitsandbytes carried as a wheel): the Llama-3.1-70B shape, NF4 base, LoRA r=16, roundpipe's
       # defaults at 24 GiB, then plain Lightning QLoRA (checkpointing) on the full card. Not yet run: budget a call
-      run qlora-70b-roundpipe 330 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \
-        --warmup 4 --steps 2 --config-timeout 320 --out "$OUT/qlora-70b-roundpipe.json"
-      run qlora-70b-plain 260 python benchmarks/qlora.py --shape llama-70b --configs plain --warmup 2 --steps 2 \
-        --config-timeout 250 --out "$OUT/qlora-70b-plain.json" ;;
+      run qlora-70b-roundpipe 300 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \
+        --warmup 4 --steps 2 --config-timeout 290 --out "$OUT/qlora-70b-roundpipe.json"
+      run qlora-70b-plain 230 python benchmarks/qlora.py --shape llama-70b --configs plain --warmup 2 --steps 2 \
+        --config-timeout 220 --out "$OUT/qlora-70b-plain.json" ;;
     qlora-8b)  # issue 40: the Llama-3.1-8B shape at 24 GiB, 4-bit base against bf16 base (LoRA both), roundpipe's defaults
       run qlora-8b 420 python benchmarks/qlora.py --shape llama-8b --configs roundpipe,roundpipe-bf16 --gpu-gib 24 \
         --warmup 6 --steps 3 --config-timeout 200 --out "$OUT/qlora-8b.json" ;;
