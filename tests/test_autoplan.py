@@ -656,3 +656,51 @@ def test_memory_is_planned_for_the_largest_micro_batch_of_an_uneven_split():
         assert planner.planned_elements == pytest.approx(8 / planner.num_microbatches * 8)  # 8 features a row
     finally:
         engine.close()
+
+
+class SaysItsPadding:
+    """A split along dim 0 that says what each micro-batch count would hold, as the split by tokens does for a
+    padded batch: ``scale`` elements a row at one micro-batch, fewer the more micro-batches (less padding)."""
+
+    def __init__(self) -> None:
+        self.scale = 64
+
+    def __call__(self, inputs, target, num):
+        return list(inputs.tensor_split(num)), list(target.tensor_split(num))
+
+    def sizes(self, inputs, target):
+        rows, scale = len(inputs), self.scale
+        return lambda num: [len(part) * scale * (num + 3) // (2 * num) for part in torch.arange(rows).tensor_split(num)]
+
+
+@pytest.mark.timeout(120)
+def test_a_split_that_says_what_each_count_holds_gets_plans_for_those_sizes():
+    """Times for the mean of what recent batches' micro-batches hold at the plan's count, memory for the largest
+    (not the sizes measured at the measuring batches' counts); a batch whose micro-batches would hold more than
+    the plan's memory is for gets its plan from the same costs before it runs; training stays exact."""
+    from lightning_roundpipe.schedule.partition import stage_memory
+
+    net = model()
+    reference = copy.deepcopy(net)
+    engine = auto_engine(net, check_every=0)
+    split = SaysItsPadding()
+    try:
+        for s in range(2):
+            step_and_compare(engine, net, reference, *batch(s), split=split)
+        planner, first = engine.planner, engine.plan
+        count = planner.num_microbatches
+        sizes = split.sizes(*batch(0))(count)
+        assert planner.planned_elements == pytest.approx(sum(sizes) / len(sizes))
+        assert planner.memory_elements == max(sizes)
+        need = max(stage_memory(planner.layer_costs, stage) for stage in first.stages())
+        planner.memory_limit = 1.5 * need  # fits with room, but not four times the elements
+        split.scale = 4 * 64
+        step_and_compare(engine, net, reference, *batch(2), split=split)
+        assert engine.plan != first and planner.fitted is not None and planner.profile is None  # not measured again
+        assert planner.memory_elements == max(split.sizes(*batch(0))(planner.num_microbatches))
+        second = engine.plan
+        for s in range(3, 5):  # no larger than seen: the plan stays
+            step_and_compare(engine, net, reference, *batch(s), split=split)
+            assert engine.plan == second
+    finally:
+        engine.close()

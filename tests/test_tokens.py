@@ -65,6 +65,25 @@ def test_rows_of_similar_lengths_go_together_trimmed_and_their_costs_balanced():
     assert max(costs) <= 2 * total / 4  # balanced within twice the mean (contiguous runs of sorted rows)
 
 
+def test_the_split_says_what_any_count_of_micro_batches_would_hold_without_cutting():
+    """The planner's padding at counts it has not run: exactly what the split makes, and less padding the more
+    micro-batches (each trimmed to its own longest row)."""
+    from lightning_roundpipe.runtime.microbatch import input_elements
+
+    batch = instruction_batch(rows=12, seed=3, longest=40)
+    inputs = as_inputs(batch)
+    split = TokenSplit(span=16.0)
+    at = split.sizes(inputs, inputs[-1])
+    for num in (1, 2, 3, 5, 12):
+        micro, _ = split(inputs, inputs[-1], num)
+        assert at(num) == [input_elements(m) for m in micro]
+    totals = [sum(at(num)) for num in (1, 2, 4, 12)]
+    assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+    assert at(40) == at(12)  # more micro-batches than rows: one row each
+    full = dict(batch, attention_mask=torch.ones_like(batch["attention_mask"]), labels=batch["input_ids"])
+    assert split.sizes(as_inputs(full), full["labels"]) is None  # split by samples: nothing to say
+
+
 def test_a_batch_without_padding_or_with_a_label_in_the_padding_is_cut_by_samples_or_not_trimmed():
     unpadded = {"input_ids": torch.randint(3, VOCAB, (6, 8)), "attention_mask": torch.ones(6, 8, dtype=torch.long)}
     unpadded["labels"] = unpadded["input_ids"].clone()

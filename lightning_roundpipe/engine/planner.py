@@ -21,6 +21,7 @@ import warnings
 from dataclasses import replace
 
 from lightning_roundpipe.engine.drift import DriftChecks
+from lightning_roundpipe.engine.shapes import BatchShapes, MicrobatchSizes, SizesAt
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.compiles import compile_mark
 from lightning_roundpipe.runtime.flight import Flight
@@ -41,7 +42,7 @@ def default_microbatches(num_workers: int) -> int:
     return max(4, 2 * num_workers)
 
 
-class AutoPlanner(DriftChecks):
+class AutoPlanner(DriftChecks, MicrobatchSizes):
     """The current plan, the measurements it came from, and the drift checks that may replace it.
 
     Args:
@@ -108,12 +109,10 @@ class AutoPlanner(DriftChecks):
         self._measuring_dispatched = 0  # measuring batches handed to the workers (the odd ones run smaller)
         self._compiled_batches = 0  # measuring batches left out because torch.compile compiled during them
         self.batch_samples = 0  # the largest batch measured (what the micro-batch count is chosen for)
-        self.mean_elements = 0.0  # input elements a sample brings to its micro-batch, over the batches measured
-        self.row_elements = 0.0  # the widest sample seen (a padded batch's length): memory is planned for no more
-        self.spread = 1.0  # the measured batches' largest micro-batch over their mean (elements): memory's margin
-        self._measured = [0.0, 0.0, 0.0]  # elements, samples and the widest sample of the batches measured
+        self._reset_sizes()
         self.planned_elements = 0.0  # input elements of the micro-batch the plan's times are for
         self.memory_elements = 0.0  # input elements of the largest micro-batch the plan's memory is for
+        self.shapes = BatchShapes()  # recent batches' micro-batch sizes at any count (a padded batch cut by tokens)
         self.transfers = TransferRate()
         self.candidate_periods: dict[int, float] = {}
         """When the micro-batch count was chosen: each feasible count's simulated seconds per batch."""
@@ -182,12 +181,7 @@ class AutoPlanner(DriftChecks):
                 return None
             self.profile.add(flight)
             self.batch_samples = max(self.batch_samples, flight.samples)
-            sizes = microbatch_sizes(flight)
-            self._measured[:2] = [self._measured[0] + sum(sizes), self._measured[1] + flight.samples]
-            self.mean_elements = self._measured[0] / self._measured[1]
-            self.spread = max(self.spread, max(sizes) * len(sizes) / sum(sizes))
-            self.row_elements = max(self.row_elements, flight.sample_elements or self.mean_elements)
-            self._measured[2] = self.row_elements
+            self._record_sizes(microbatch_sizes(flight), flight.samples, flight.sample_elements)
             if self.profile.batches < self.profile_steps:
                 return None
             return self._plan_from(self.profile, store)
@@ -213,44 +207,29 @@ class AutoPlanner(DriftChecks):
             candidates = microbatch_candidates(samples, self.num_workers, smallest)
             trip = self.transfers.round_trip
             count, chosen, self.candidate_periods = plan_with_microbatches(
-                lambda size: self._costs_at(profile, store, size), samples, self.num_workers, candidates,
+                lambda size: self._costs_at(profile, store, size, samples), samples, self.num_workers, candidates,
                 limit, self.planner, self.asynchronous, lambda size: trip(size * self.mean_elements),
             )  # fmt: skip
             self.microbatches_per_round = count
-            self._planned(profile, store, samples / count)
+            self._planned(profile, store, samples / count, samples)
             return chosen.plan
         size = samples / max(1, min(samples, self.num_microbatches))
         plan = automatic_plan(
-            self._costs_at(profile, store, size), self.num_workers, self.num_microbatches, limit, self.planner,
+            self._costs_at(profile, store, size, samples), self.num_workers, self.num_microbatches, limit, self.planner,
             self.asynchronous,
         ).plan  # fmt: skip
-        self._planned(profile, store, size)
+        self._planned(profile, store, size, samples)
         return plan
 
-    def _planned(self, profile: LayerProfile, store: HostStore, samples: float) -> None:
-        """The chosen plan's costs, for micro-batches of ``samples``."""
-        self.layer_costs = self._costs_at(profile, store, samples)
-        self.planned_elements, self.memory_elements = self.sizes_for(samples)
+    def _planned(self, profile: LayerProfile, store: HostStore, samples: float, batch: float) -> None:
+        """The chosen plan's costs, for micro-batches of ``samples`` of batches of ``batch``."""
+        self.layer_costs = self._costs_at(profile, store, samples, batch)
+        self.planned_elements, self.memory_elements = self.sizes_for(samples, batch)
 
-    def measured_sizes(self) -> list[float]:
-        """What micro-batch sizes are estimated from (mean, widest, spread, widest measured), for a checkpoint."""
-        return [self.mean_elements, self.row_elements, self.spread, self._measured[2]]
-
-    def restore_sizes(self, saved: list[float]) -> None:
-        self.mean_elements, self.row_elements, self.spread, self._measured[2] = map(float, saved)
-
-    def sizes_for(self, samples: float) -> tuple[float, float]:
-        """Input elements of a micro-batch of ``samples``: on average (times: the measured mean per sample, grown
-        with the widest sample since), and of the largest (memory: the mean times the measured batches' largest
-        over their mean; cut by tokens, the longest rows go together, their costs balanced with the others')."""
-        fill = self.mean_elements / self._measured[2] if self._measured[2] else 1.0
-        mean = samples * fill * self.row_elements if self.row_elements else samples * self.mean_elements
-        return mean, mean * self.spread
-
-    def _costs_at(self, profile: LayerProfile, store: HostStore, samples: float) -> LayerCosts:
-        """Costs of a micro-batch of ``samples``: times at the mean elements per sample, memory at the widest
-        (the first micro-batch's one-off allocations left out beyond the sizes measured)."""
-        largest, (mean, widest) = max(profile.sizes), self.sizes_for(samples)
+    def _costs_at(self, profile: LayerProfile, store: HostStore, samples: float, batch: float) -> LayerCosts:
+        """Costs of a micro-batch of ``samples``: times at the mean elements, memory at the largest (the first
+        micro-batch's one-off allocations left out beyond the sizes measured)."""
+        largest, (mean, widest) = max(profile.sizes), self.sizes_for(samples, batch)
         times = profile.costs(store, mean, mean <= 1.01 * largest)
         if widest <= mean:
             return times
@@ -296,13 +275,17 @@ class AutoPlanner(DriftChecks):
             return plan
         return None
 
-    def widen(self, store: HostStore, samples: int, row_elements: float) -> StagePlan | None:
-        """Before a batch with more samples, or a wider sample, than any the plan was made for: the plan (and
-        count) for it from the measured costs, without measuring again, when it differs from the running one;
-        ``None`` to stay (also when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
+    def widen(
+        self, store: HostStore, samples: int, row_elements: float, sizes: SizesAt | None = None
+    ) -> StagePlan | None:
+        """Before a batch with more samples, a wider sample, or (``sizes``: what its micro-batches hold at any
+        count) a larger micro-batch than any the plan was made for: the plan (and count) for it from the
+        measured costs, without measuring again, when it differs from the running one; ``None`` to stay (also
+        when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
         if not self.auto or self.fitted is None or self.profile is not None:
             return None
-        if samples <= self.batch_samples and row_elements <= self.row_elements:
+        larger = sizes is not None and max(sizes(self.num_microbatches)) > self.memory_elements
+        if samples <= self.batch_samples and row_elements <= self.row_elements and not larger:
             return None
         running = (self.plan, self.microbatches_per_round, self.batch_samples, self.row_elements)
         costs = (self.layer_costs, self.planned_elements, self.memory_elements)
@@ -330,8 +313,7 @@ class AutoPlanner(DriftChecks):
         self.plan = LayerProfile.plan(self.num_layers)
         self.drifted, self.reference, self.drift, self.offset_checked = 0, None, None, False
         self._measuring_dispatched = self.batch_samples = self._compiled_batches = 0
-        self.mean_elements = self.row_elements = 0.0
-        self.spread, self._measured = 1.0, [0.0, 0.0, 0.0]
+        self._reset_sizes()
 
     def predict(self, handoff: float | None) -> None:
         """The simulator's bubble ratio for the current plan, measured layer costs and ``handoff``."""

@@ -18,8 +18,9 @@ per-token work of the layers' matrices (for a decoder block about its parameters
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -76,6 +77,18 @@ class TokenSplit:
             micro_inputs.append((ids, mask, positions, micro_labels))
             micro_targets.append(micro_labels)
         return micro_inputs, micro_targets
+
+    def sizes(self, inputs: Inputs, target: Tensor) -> Callable[[int], list[int]] | None:
+        """What this batch's micro-batches would hold (input elements) at any count, without cutting it: the
+        planner's padding at counts it has not run (``None``: a batch split by samples)."""
+        _, attention_mask, _, labels = inputs
+        if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
+            return None
+        return functools.partial(self._padded, kept_lengths(attention_mask, labels).tolist())
+
+    def _padded(self, lengths: list[int], num: int) -> list[int]:
+        groups = self.groups(lengths, max(1, min(num, len(lengths))))
+        return [len(rows) * max(lengths[r] for r in rows) for rows in groups]
 
     def groups(self, lengths: list[int], num: int) -> list[list[int]]:
         """``num`` groups of row indices, rows of similar lengths together (longest first), the largest group
