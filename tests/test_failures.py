@@ -395,6 +395,7 @@ def test_host_memory_running_out_leaks_no_buffer_and_the_next_batch_runs(pinned_
     reference = copy.deepcopy(model)
     engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,1|2,2,2")
     engine.pool.pin = True
+    engine.pool.idle_batches = 100  # the failed batches' buffers stay to be counted (none given back by age)
     out_of_memory = threading.Event()
     engine.pool.reserve = 0
     engine.pool.available = lambda: (
@@ -431,6 +432,52 @@ def test_a_buffer_that_does_not_fit_first_gives_back_idle_buffers_of_other_sizes
     with pytest.raises(HostMemoryError, match="host memory"):
         pool.take(6 << 20, torch.uint8)  # nothing idle is left to give back
     pool.close()
+
+
+def test_a_slightly_smaller_request_takes_an_idle_larger_buffer_and_buffers_idle_for_batches_go_back(pinned_pool):
+    """Micro-batches of changing sizes: a request takes the start of an idle buffer up to 1.25 times its size
+    rather than a new one, the whole buffer comes back when the view does, and what no batch asked for lately
+    is given back."""
+    pool = HostPool(pin=True, reserve=0)
+    big = pool.take(1000, torch.float32)
+    pool.give(big)
+    smaller = pool.take(850, torch.float32)  # within 1.25x: the idle 1000's start
+    assert smaller.numel() == 850 and smaller.data_ptr() == big.data_ptr() and pool.buffer_bytes == 4000
+    pool.give(smaller)
+    assert pool.free_bytes() == 4000 and pool.take(1000, torch.float32).data_ptr() == big.data_ptr()
+    pool.give(big)
+    other = pool.take(700, torch.float32)  # more than 1.25x smaller: a buffer of its own
+    assert other.data_ptr() != big.data_ptr() and pool.buffer_bytes == 4000 + 2800
+    pool.give(other)
+    pool.tick()
+    kept = pool.take(700, torch.float32)  # used in the batch after: it stays
+    pool.give(kept)
+    pool.tick()
+    assert pool.buffer_bytes == 6800  # nothing idle for 2 batches yet
+    pool.tick()  # the 1000 has been idle since before the last two batches began
+    assert pool.buffer_bytes == pool.pinned_bytes == 2800 and pool.free_bytes() == 2800
+    pool.close()
+
+
+@pytest.mark.timeout(60)
+def test_batches_of_changing_sizes_do_not_grow_the_pool_batch_after_batch(pinned_pool):
+    """Every batch a new number of rows (new sizes at every boundary): the pool holds about a batch's buffers,
+    not one set per size ever seen; training stays exact."""
+    model, _ = build("forward")
+    reference = copy.deepcopy(model)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], plan="3,1|2,2,2")
+    engine.pool.pin = True
+    try:
+        held = []
+        for rows in range(32, 8, -1):
+            x, y = torch.randn(rows, 4), torch.randn(rows, 2)
+            got, want = next_batch_and_plain_gradients(engine, reference, x, y)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+            engine.store.clear_grads()
+            held.append(engine.pool.buffer_bytes)
+        assert max(held[4:]) <= 2 * held[0]  # one set per size would have summed to about 17 times the first
+    finally:
+        engine.close()
 
 
 def test_a_new_plan_gives_back_the_idle_buffers_of_the_old_one(pinned_pool, monkeypatch):

@@ -88,6 +88,7 @@ class Launcher:
     ) -> Attempt:
         """Split, stage and dispatch ``batch`` as batch number ``call`` starting on ``first_worker``;
         ``retry``: it ran out of device memory before, and its groups ``skip`` are on the host."""
+        self.pool.tick()  # buffers no batch asked for lately go back (sizes change with padded lengths)
         per_round, rounds = self.planner.counts(batch.samples)
         if self.planner.measuring:
             size = math.ceil(batch.samples / (per_round * rounds))
