@@ -8,12 +8,14 @@ from torch import nn
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
-from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice
+from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
 
 
 def worker_devices(devices: list[torch.device]) -> list[WorkerDevice]:
     """One worker per device Lightning gave the strategy: CUDA devices, or CPU threads standing in."""
     workers: list[WorkerDevice] = []
+    if any(device.type == "cuda" for device in devices):
+        expandable_segments()  # before the workers allocate (PYTORCH_CUDA_ALLOC_CONF keeps the user's choice)
     for index, device in enumerate(devices):
         if device.type == "cuda":
             workers.append(CudaWorkerDevice(device, index))
