@@ -27,6 +27,7 @@
 #        maxseq24-tiled-4x maxseq24-tiled-5x (one probe each: split blocks, --tile-tokens 16384, 24 GiB card)
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
+#        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
 #        qlora-70b qlora-8b tests-qlora (issue 40: bitsandbytes' wheel in .whl, installed with the others)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
@@ -191,6 +192,14 @@ for step in "${steps[@]}"; do
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
         --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \
         --out "$OUT/varlen-32-expandable.json" ;;
+    varlen-shapes)  # issue 39: the per-shape cost of cuDNN's attention (docs/perf-notes.md, thirteenth): the default,
+      # widths rounded up to 128 columns (shapes repeat), flash attention first; 32 a step, full card. About 400 s
+      run varlen-32-shapes 420 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
+        --configs newcomer,newcomer-width128,newcomer-flash --warmup 8 --steps 4 --config-timeout 130 \
+        --out "$OUT/varlen-32-shapes.json" ;;
+    varlen-24gib-pool)  # issue 39: 24 GiB after the host pool's reuse (fce8a28) and expandable segments (1db8e55)
+      run varlen-32-24gib-pool 230 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer --warmup 12 --steps 4 --config-timeout 220 --out "$OUT/varlen-32-24gib-pool.json" ;;
     qlora-70b)  # issue 40 (bitsandbytes carried as a wheel): the Llama-3.1-70B shape, NF4 base, LoRA r=16, roundpipe's
       # defaults at 24 GiB, then plain Lightning QLoRA (checkpointing) on the full card. Not yet run: budget a call
       run qlora-70b-roundpipe 300 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \

@@ -18,6 +18,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   of the architecture table's stages: what a model without an entry gets);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
+  ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
+  micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
@@ -329,7 +331,9 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         "plain-compile",
     ):
         return "auto", True
-    if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn"):
+    if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash") or config.startswith(
+        "newcomer-width"
+    ):
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
@@ -352,7 +356,8 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
-        " newcomer-chunked, newcomer-generic, newcomer-cudnn, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
+        " newcomer-chunked, newcomer-generic, newcomer-cudnn, newcomer-flash, newcomer-widthN, newcomer-db,"
+        " newcomer-gmFRACTION, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N (roundpipe's: -compile or -eager after it)"
     )
@@ -521,12 +526,23 @@ def experiment(config: str) -> Iterator[None]:
     ``newcomer-cudnn`` puts cuDNN first among the SDPA backends (process-wide flags, which the worker
     threads read). (``newcomer-flce2048``, Liger's fused cross-entropy in 2,048-token chunks, measured
     2026-12-02, is the default since.)"""
-    if config == "newcomer-cudnn":
+    if config in ("newcomer-cudnn", "newcomer-flash"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        if config == "newcomer-flash":  # cuDNN builds a graph per new shape: with lengths that vary, every one
+            order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         with sdpa_kernel([*order, SDPBackend.MATH], set_priority=True):
             yield
+        return
+    if config.startswith("newcomer-width"):
+        from lightning_roundpipe.models.hf.tokens import TokenSplit
+
+        TokenSplit.width_multiple = int(config.removeprefix("newcomer-width"))
+        try:
+            yield
+        finally:
+            TokenSplit.width_multiple = 1
         return
     yield
 

@@ -144,15 +144,20 @@ def flat(module):
 
 
 @pytest.mark.parametrize(
-    ("lora", "lengths"),
-    [(False, {}), (True, {}), (False, {"shortest": 12, "longest": 12})],  # varying, LoRA, all of one length
+    ("lora", "lengths", "multiple"),
+    # varying, LoRA, all of one length, widths rounded up to multiples of 8 (trailing padding columns added back)
+    [(False, {}, 1), (True, {}, 1), (False, {"shortest": 12, "longest": 12}, 1), (False, {}, 8)],
 )
-def test_training_by_tokens_equals_plain_lightning(monkeypatch, lora, lengths):
+def test_training_by_tokens_equals_plain_lightning(monkeypatch, lora, lengths, multiple):
     """Four steps of eight sequences of new lengths each, two workers, four micro-batches, synchronous: the
     weights equal plain Lightning's; the micro-batches were cut by tokens (fewer columns than the batch)."""
+    monkeypatch.setattr(TokenSplit, "width_multiple", multiple)
     seen = []
     split = TokenSplit.__call__
-    monkeypatch.setattr(TokenSplit, "__call__", lambda *a: seen.append(result := split(*a)) or result)
+    widths = []  # each split batch's own width
+    monkeypatch.setattr(
+        TokenSplit, "__call__", lambda *a: widths.append(a[1][0].shape[1]) or seen.append(result := split(*a)) or result
+    )
     plain, _ = fit("auto", 1, batches(**lengths), lora)
     strategy = RoundPipeStrategy(num_microbatches=4, async_optimizer=False)
     ours, trainer = fit(strategy, 2, batches(**lengths), lora, batches(steps=1, **lengths))
@@ -162,6 +167,10 @@ def test_training_by_tokens_equals_plain_lightning(monkeypatch, lora, lengths):
     trimmed = sum(m[0].numel() for micro, _ in seen for m in micro)
     if lengths:  # one length: nothing to trim
         assert all(m[0].shape[1] == 12 for micro, _ in seen for m in micro)
+    elif multiple > 1:  # rounded up, never past the batch's own width
+        cut = [(m[0].shape[1], width) for (micro, _), width in zip(seen, widths) for m in micro]
+        assert all(w % multiple == 0 or w == width for w, width in cut) and all(w <= width for w, width in cut)
+        assert any(w < width for w, width in cut)
     else:
         padded = sum(b["input_ids"].numel() for b in batches()) + batches(steps=1).dataset[0]["input_ids"].numel() * 2
         assert trimmed < 0.9 * padded

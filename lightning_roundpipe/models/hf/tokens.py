@@ -37,6 +37,10 @@ class TokenSplit:
     module docstring); the engine calls it in place of its split by samples. A batch without a padding mask
     (rows all full, or packed) is split by samples."""
 
+    width_multiple = 1
+    """Each micro-batch's width rounded up to a multiple of this (capped at the batch's): shapes then repeat from
+    batch to batch (cuDNN's attention builds a graph per new shape); the added columns are trailing padding."""
+
     def __init__(self, span: float = math.inf) -> None:
         self.span = span
         """Tokens at which attention costs as much as the rest of a layer, per token (``inf``: never)."""
@@ -66,7 +70,7 @@ class TokenSplit:
         micro_inputs, micro_targets = [], []
         for rows in groups:
             index = torch.tensor(rows, dtype=torch.long)
-            length = int(lengths[index].max())
+            length = self._width(int(lengths[index].max()), input_ids.shape[1])
             ids, mask, positions, micro_labels = (
                 None if t is None else t.index_select(0, index)[:, :length]
                 for t in (input_ids, attention_mask, position_ids, labels)
@@ -84,11 +88,14 @@ class TokenSplit:
         _, attention_mask, _, labels = inputs
         if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
             return None
-        return functools.partial(self._padded, kept_lengths(attention_mask, labels).tolist())
+        return functools.partial(self._padded, kept_lengths(attention_mask, labels).tolist(), width=labels.shape[1])
 
-    def _padded(self, lengths: list[int], num: int) -> list[int]:
+    def _padded(self, lengths: list[int], num: int, width: int) -> list[int]:
         groups = self.groups(lengths, max(1, min(num, len(lengths))))
-        return [len(rows) * max(lengths[r] for r in rows) for rows in groups]
+        return [len(rows) * self._width(max(lengths[r] for r in rows), width) for rows in groups]
+
+    def _width(self, length: int, width: int) -> int:
+        return min(width, -(-length // self.width_multiple) * self.width_multiple)
 
     def groups(self, lengths: list[int], num: int) -> list[list[int]]:
         """``num`` groups of row indices, rows of similar lengths together (longest first), the largest group
