@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="")
     add_in_process_flag(parser)
     args = parser.parse_args(argv)
-    results = run_or_drive(__file__, args, run_one, on_result=lambda r: write(args.out, sys.argv, __file__, r))
+    results = run_or_drive(__file__, args, run_one, on_result=lambda r: write(args.out, sys.argv[1:], __file__, r))
     if results is None:
         return
     for r in results:
