@@ -261,6 +261,8 @@ class Clock(L.Callback):
         """(cudaMalloc calls, cudaFree calls) so far, at the first and the last timed step."""
         self._handle: Any = None
         self._last = time.perf_counter()
+        self.step_log: list[dict[str, Any]] = []
+        """Each optimizer step's seconds and the plan it ended on: when the plan stopped changing."""
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last = time.perf_counter()
@@ -285,7 +287,20 @@ class Clock(L.Callback):
         engine = getattr(trainer.strategy, "engine", None)
         plan = f" plan {engine.plan} x {engine.num_microbatches}" if engine is not None else ""
         print(f"step {trainer.global_step}: {now - self._last:.2f} s{plan}", file=sys.stderr, flush=True)
+        self.step_log.append({"step": trainer.global_step, "s": round(now - self._last, 3), "plan": plan.strip()})
         self._last = now
+
+    def steady(self) -> dict[str, Any]:
+        """The first step from which the plan never changed again, and the wall seconds of training before it."""
+        first = len(self.step_log)
+        while first > 0 and self.step_log[first - 1]["plan"] == self.step_log[-1]["plan"]:
+            first -= 1
+        if not self.step_log:
+            return {}
+        return {
+            "from_step": self.step_log[first]["step"],
+            "after_s": round(sum(e["s"] for e in self.step_log[:first]), 2),
+        }
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self._step_tokens += real_tokens(args[0])
@@ -452,6 +467,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
+        "step_log": clock.step_log,  # seconds and plan of every step
+        "steady_plan": clock.steady(),  # time to steady state: the step the last plan began, training seconds before it
         "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
         "host_gib_by_step": clock.host_gib,
         "norm": args.norm,
@@ -711,6 +728,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"{r['config']}: device seconds over {r['anatomy']['steps']} steps: {parts};"
                   f" idle {kinds['idle_between_kernels_s']:.3f} of {kinds['span_s']:.3f}")  # fmt: skip
+        if r.get("steady_plan") and r.get("plan"):
+            print(f"{r['config']}: the plan last changed at step {r['steady_plan']['from_step']},"
+                  f" {r['steady_plan']['after_s']} s into training")  # fmt: skip
         if r.get("plan_changed_while_timed"):
             print(f"{r['config']}: the plan changed inside the timed steps (at batch {r['plan_since_batch']}):"
                   " tokens/s mixes two plans; raise --warmup")  # fmt: skip
