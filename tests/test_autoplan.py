@@ -677,7 +677,8 @@ class SaysItsPadding:
 def test_a_split_that_says_what_each_count_holds_gets_plans_for_those_sizes():
     """Times for the mean of what recent batches' micro-batches hold at the plan's count, memory for the largest
     (not the sizes measured at the measuring batches' counts); a batch whose micro-batches would hold more than
-    the plan's memory is for gets its plan from the same costs before it runs; training stays exact."""
+    the plan's memory is for keeps the plan where its stages still hold them, else gets its plan from the same
+    costs before it runs; training stays exact."""
     from lightning_roundpipe.schedule.partition import stage_memory
 
     net = model()
@@ -694,6 +695,13 @@ def test_a_split_that_says_what_each_count_holds_gets_plans_for_those_sizes():
         assert planner.memory_elements == max(sizes)
         need = max(stage_memory(planner.layer_costs, stage) for stage in first.stages())
         planner.memory_limit = 1.5 * need  # fits with room, but not four times the elements
+        split.scale = 72  # larger micro-batches the running plan still holds: it stays, its memory follows them
+        chosen = []
+        choose = planner._choose
+        planner._choose = lambda *a: chosen.append(a) or choose(*a)
+        step_and_compare(engine, net, reference, *batch(2), split=split)
+        assert engine.plan == first and planner.memory_elements == max(split.sizes(*batch(0))(count))
+        assert not chosen  # not even chosen again (a new choice could change the count and the pace)
         split.scale = 4 * 64
         step_and_compare(engine, net, reference, *batch(2), split=split)
         assert engine.plan != first and planner.fitted is not None and planner.profile is None  # not measured again

@@ -284,9 +284,13 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
         when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
         if not self.auto or self.fitted is None or self.profile is not None:
             return None
+        # with the split's sizes, memory follows them (a wider row alone says nothing more)
         larger = sizes is not None and max(sizes(self.num_microbatches)) > self.memory_elements
-        if samples <= self.batch_samples and row_elements <= self.row_elements and not larger:
+        wider = row_elements > self.row_elements and sizes is None
+        if samples <= self.batch_samples and not wider and not larger:
             return None
+        if samples <= self.batch_samples and not wider and self._still_fits(store):
+            return None  # a larger micro-batch the running plan holds: no new plan, no change of pace
         running = (self.plan, self.microbatches_per_round, self.batch_samples, self.row_elements)
         costs = (self.layer_costs, self.planned_elements, self.memory_elements)
         self.batch_samples, self.row_elements = max(self.batch_samples, samples), max(self.row_elements, row_elements)
@@ -300,6 +304,18 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
             return plan
         self.layer_costs, self.planned_elements = costs[:2]  # the same plan: its times (and drift reference) stay
         return None
+
+    def _still_fits(self, store: HostStore) -> bool:
+        """Whether the running plan's stages hold the largest micro-batch the split's sizes now say (which then
+        becomes what its memory is for)."""
+        per = self.batch_samples / max(1, self.num_microbatches)
+        costs, largest = self._costs_at(self.fitted, store, per, self.batch_samples), self.sizes_for(per)[1]
+        if self.memory_limit is not None and any(
+            stage_memory(costs, s) > self.memory_limit for s in self.plan.stages()
+        ):
+            return False
+        self.memory_elements = largest
+        return True
 
     def set_plan(self, plan: StagePlan, call: int) -> None:
         """Run ``plan`` from batch ``call`` on; its drift checks start afresh."""
