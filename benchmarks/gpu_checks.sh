@@ -28,6 +28,8 @@
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
+#        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
+#        and ds-wait, in the same call or a later one on the warm machine)
 #        qlora-70b qlora-8b tests-qlora (issue 40: bitsandbytes' wheel in .whl, installed with the others)
 #        generic generic-24gib (issue 38: the 1.7B shape through the table's stages and the generic path in one call;
 #        the Cohere and DeepSeek-V3 shapes, which take the generic path, at 24 GiB)
@@ -192,6 +194,22 @@ for step in "${steps[@]}"; do
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
         --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \
         --out "$OUT/varlen-32-expandable.json" ;;
+    headline)  # issue 41: the best plain (compiled blocks at 4 and 8 sequences a micro-batch), plain with Liger, and
+      # roundpipe's defaults, 32 x 2048 tokens a step, full card, one call (about 480 s); then headline-zero
+      run headline-mb4 300 python benchmarks/lightning_user.py --configs plain-compile,plain-liger,newcomer \
+        --micro-batch 4 --warmup 8 --steps 6 --config-timeout 100 --out "$OUT/headline-mb4.json"
+      run headline-mb8 200 python benchmarks/lightning_user.py --configs plain-compile,plain-liger --micro-batch 8 \
+        --warmup 6 --steps 6 --config-timeout 95 --out "$OUT/headline-mb8.json" ;;
+    headline-24gib)  # issue 41: roundpipe's defaults capped at 24 GiB until the plan settles (plain does not fit: the
+      # fp32 weights, gradients and Adam states of 1.7 B parameters are 27 GB), every step's time and plan recorded
+      run headline-24gib 300 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer --warmup 30 \
+        --steps 8 --config-timeout 290 --out "$OUT/headline-24gib.json" ;;
+    headline-zero|headline-zero-24gib)  # issue 41, after ds-setup and ds-wait: DeepSpeed ZeRO-2 and ZeRO-3 offload with
+      # compiled blocks and with Liger, micro-batches of 4 (about 8 minutes; the 24 GiB card: micro-batches of 2)
+      cap=$([ "$step" = headline-zero-24gib ] && echo "--gpu-gib 24 --micro-batch 2" || echo "--micro-batch 4")
+      run "$step" 560 python benchmarks/lightning_user.py $cap \
+        --configs zero2-offload-compile,zero2-offload-liger,zero3-offload-compile,zero3-offload-liger \
+        --warmup 4 --steps 4 --config-timeout 135 --out "$OUT/$step.json" ;;
     varlen-shapes)  # issue 39: the per-shape cost of cuDNN's attention (docs/perf-notes.md, thirteenth): the default,
       # widths rounded up to 128 columns (shapes repeat), flash attention first; 32 a step, full card. About 400 s
       run varlen-32-shapes 420 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \

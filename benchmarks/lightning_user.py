@@ -35,6 +35,10 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   ``RoundPipeStrategy(compile=True)``, each block's body through ``torch.compile`` (``--compile-backend``);
   ``CONFIG-eager`` (e.g. ``newcomer-eager``): with ``compile=False``, every block eager (with liger-kernel
   installed, its kernels in the blocks: the default until 2026-12-02's eighth session);
+- ``zero2-offload-KERNELS``, ``zero3-offload-KERNELS`` (``KERNELS``: ``liger`` or ``compile``, as for plain):
+  Lightning's ``DeepSpeedStrategy`` with ZeRO-Offload (stage 2, optimizer states on the host) or ZeRO-3 with
+  parameters offloaded too, pinned, ``DeepSpeedCPUAdam``, checkpointing and micro-batches as ``plain`` (DeepSpeed
+  from the carried wheels);
 - ``plain-packed``, ``plain-liger-packed``, ``plain-compile-packed`` (with ``--varlen``): the plain configuration on
   padding-free batches (transformers' ``DataCollatorWithFlattening``: one row, positions restarting at 0);
 - ``newcomer-split-tiled``: ``RoundPipeStrategy(split_decoder_layers=True, tile_tokens=16384)`` and
@@ -204,15 +208,22 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
 class LM(L.LightningModule):
     """The LightningModule a newcomer writes (``fused``: the hand-tuned optimizer)."""
 
-    def __init__(self, model: torch.nn.Module, fused: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, fused: bool = False, deepspeed: bool = False) -> None:
         super().__init__()
         self.model = model
-        self.fused = fused
+        self.fused, self.deepspeed = fused, deepspeed
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
+        loss = self.model(**batch).loss
+        if self.deepspeed:  # Lightning divides the loss by the accumulation steps and DeepSpeed's backward again
+            loss = loss * self.trainer.accumulate_grad_batches
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.deepspeed:  # what DeepSpeed's offload steps the host states with
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
         if self.fused:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
@@ -330,12 +341,15 @@ class Clock(L.Callback):
                 self.allocator_calls.append((stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)))
 
 
-def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, Any] = True) -> tuple[Any, bool]:
-    """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one;
+def strategy_for(
+    config: str, layers: int = 0, compile_with: bool | dict[str, Any] = True, capped: bool = False
+) -> tuple[Any, bool]:
+    """The ``Trainer(strategy=...)`` of ``config`` and whether its optimizer is the hand-tuned fused one (``capped``:
+    the card is capped, for DeepSpeed's buckets);
     ``CONFIG-compile``: ``CONFIG`` with ``compile=compile_with`` (regional ``torch.compile``), ``CONFIG-eager``
     with ``compile=False``."""
     for suffix, choice in (("-compile", compile_with), ("-eager", False)):
-        if config.endswith(suffix) and not config.startswith("plain"):
+        if config.endswith(suffix) and not config.startswith(("plain", "zero")):
             strategy, fused = strategy_for(config.removesuffix(suffix), layers)
             strategy = RoundPipeStrategy() if strategy == "roundpipe" else strategy
             strategy.options.compile = choice  # read when the strategy finds the layers, at setup
@@ -346,6 +360,8 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         "plain-compile",
     ):
         return "auto", True
+    if config.startswith(("zero2-offload", "zero3-offload")):
+        return deepspeed_strategy(int(config[4]), capped), False
     if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash") or config.startswith(
         "newcomer-width"
     ):
@@ -374,8 +390,22 @@ def strategy_for(config: str, layers: int = 0, compile_with: bool | dict[str, An
         " newcomer-chunked, newcomer-generic, newcomer-cudnn, newcomer-flash, newcomer-widthN, newcomer-db,"
         " newcomer-gmFRACTION, newcomer-split,"
         " newcomer-sync,"
-        " newcomer-split-tiled, tuned-N, tuned-N-gmF or fused-N (roundpipe's: -compile or -eager after it)"
+        " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
+        " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
+
+
+def deepspeed_strategy(stage: int, capped: bool) -> Any:
+    """ZeRO-Offload (stage 2) or ZeRO-3 with the parameters offloaded too, pinned; as ``baselines.py`` has
+    them (large buckets on a full card, smaller ones under a cap, where they cost memory)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    bucket = int(2e8) if capped else int(5e8)
+    offload = {"offload_parameters": True} if stage == 3 else {}
+    return DeepSpeedStrategy(
+        stage=stage, offload_optimizer=True, pin_memory=True, allgather_bucket_size=bucket, reduce_bucket_size=bucket,
+        **offload,
+    )  # fmt: skip
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -387,12 +417,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     compile_with = {"backend": args.compile_backend} if args.compile_backend else True
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
-    plain = args.run.startswith("plain")
+    deepspeed = args.run.startswith("zero")
+    plain = args.run.startswith("plain") or deepspeed  # the model on the card: checkpointing, micro-batches
+    kernels = args.run.removesuffix("-packed").rsplit("-", 1)[-1]  # liger, compile, or neither
     if args.run.endswith("-packed") and not args.varlen:
         raise ValueError(f"{args.run} packs variable-length sequences: give --varlen MIN,MAX")
-    if (
-        args.run.removesuffix("-packed") == "plain-liger"
-    ):  # as Liger's README says: patch transformers' Qwen3 before building the model
+    if deepspeed and kernels not in ("liger", "compile"):
+        raise ValueError(f"{args.run}: name its kernels as plain's, zero2-offload-liger or zero2-offload-compile")
+    if kernels == "liger" and plain:  # as Liger's README says: patch transformers' Qwen3 before building the model
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
         apply_liger_kernel_to_qwen3()
@@ -400,16 +432,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     model = qwen3(shape, dtype) if shape is not None else other_model(args.model, dtype)
     built_gib = resident.reading()
     vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
-    strategy, fused = strategy_for(args.run, layers + 2, compile_with)  # the blocks, embedding and head
+    strategy, fused = strategy_for(args.run, layers + 2, compile_with, capped=bool(args.gpu_gib))
     if plain:
         model.config.use_cache = False
         model.gradient_checkpointing_enable()
-    if (
-        args.run.removesuffix("-packed") == "plain-compile"
-    ):  # regional compilation as PyTorch's recipe has it: each block compiled
+    if kernels == "compile" and plain:  # regional compilation as PyTorch's recipe has it: each block compiled
         for block in model.model.layers:
             block.compile(**({"backend": args.compile_backend} if args.compile_backend else {}))
-    module = LM(model, fused=fused)
+    module = LM(model, fused=fused, deepspeed=deepspeed)
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
