@@ -21,7 +21,7 @@ import warnings
 from dataclasses import replace
 
 from lightning_roundpipe.engine.drift import DriftChecks
-from lightning_roundpipe.engine.shapes import BatchShapes, MicrobatchSizes, SizesAt
+from lightning_roundpipe.engine.shapes import BatchShapes, MicrobatchSizes
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.compiles import compile_mark
 from lightning_roundpipe.runtime.flight import Flight
@@ -275,18 +275,16 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
             return plan
         return None
 
-    def widen(
-        self, store: HostStore, samples: int, row_elements: float, sizes: SizesAt | None = None
-    ) -> StagePlan | None:
-        """Before a batch with more samples, a wider sample, or (``sizes``: what its micro-batches hold at any
-        count) a larger micro-batch than any the plan was made for: the plan (and count) for it from the
-        measured costs, without measuring again, when it differs from the running one; ``None`` to stay (also
-        when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
+    def widen(self, store: HostStore, samples: int, row_elements: float, noted: bool = False) -> StagePlan | None:
+        """Before a batch with more samples, a wider sample, or (``noted``: its micro-batches' sizes at any count
+        are the newest in :attr:`shapes`) a larger micro-batch than any the plan was made for: the plan (and
+        count) for it from the measured costs, without measuring again, when it differs from the running one;
+        ``None`` to stay (also when nothing fits: the batch runs guarded, :meth:`shrink` follows)."""
         if not self.auto or self.fitted is None or self.profile is not None:
             return None
         # with the split's sizes, memory follows them (a wider row alone says nothing more)
-        larger = sizes is not None and max(sizes(self.num_microbatches)) > self.memory_elements
-        wider = row_elements > self.row_elements and sizes is None
+        larger = noted and self.shapes.newest_largest(self.num_microbatches) > self.memory_elements
+        wider = row_elements > self.row_elements and not noted
         if samples <= self.batch_samples and not wider and not larger:
             return None
         if samples <= self.batch_samples and not wider and self._still_fits(store):

@@ -31,13 +31,17 @@ class BatchShapes:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def note(self, split: Any, inputs: Any, target: Any) -> SizesAt | None:
-        """Remember a batch, where its split can say what any count would make of it; returns that function."""
+    def note(self, split: Any, inputs: Any, target: Any) -> bool:
+        """Remember a batch, where its split can say what any count would make of it; returns whether it could."""
         sizes = getattr(split, "sizes", None)
         at = sizes(inputs, target) if sizes is not None else None
         if at is not None:
             self._batches.append((at, {}))
-        return at
+        return at is not None
+
+    def newest_largest(self, count: int) -> int:
+        """The largest micro-batch of the batch remembered last, cut into ``count``."""
+        return max(self._sizes(*self._batches[-1], count))
 
     def at(self, count: int) -> tuple[float, float] | None:
         """Input elements of a micro-batch when each remembered batch is cut into ``count``: the mean over all

@@ -77,8 +77,8 @@ class HostPool:
         self.available = available_host_bytes if available is None else available
         self.reserve = default_reserve() if reserve is None else reserve
         self._unchecked = 0
-        self._free: dict[tuple[int, torch.dtype], list[tuple[Tensor, tuple[Any, ...]]]] = {}
-        self._returned: dict[int, int] = {}  # id of a free buffer -> the batch (tick) it came back in
+        self._free: dict[tuple[int, torch.dtype], list[tuple[Tensor, tuple[Any, ...], int]]] = {}
+        """Idle buffers by size: each with the events its copies wait for and the tick it came back in."""
         self._ticks = 0
         self._registered: list[Tensor] = []
         self._lock = threading.Lock()
@@ -115,8 +115,8 @@ class HostPool:
         buffers of sizes nobody asks for again); returns the bytes given back."""
         with self._lock:
             idle = [
-                b for free in self._free.values() for b, events in free
-                if all(e.query() for e in events) and (before is None or self._returned.get(id(b), 0) < before)
+                b for free in self._free.values() for b, events, back in free
+                if all(e.query() for e in events) and (before is None or back < before)
             ]  # fmt: skip
             idle.sort(key=lambda b: b.numel() * b.element_size(), reverse=True)
             chosen, freed = [], 0
@@ -129,12 +129,10 @@ class HostPool:
                 return 0
             ids = {id(b) for b in chosen}
             for key in list(self._free):
-                self._free[key] = [(b, e) for b, e in self._free[key] if id(b) not in ids]
+                self._free[key] = [entry for entry in self._free[key] if id(entry[0]) not in ids]
                 if not self._free[key]:
                     del self._free[key]  # changing shapes would keep a key per size ever seen
             self._registered = [t for t in self._registered if id(t) not in ids]
-            for i in ids:
-                self._returned.pop(i, None)
             for buffer in chosen:
                 torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
             self.pinned_bytes -= freed
@@ -163,12 +161,11 @@ class HostPool:
             sizes = sorted(n for n, d in self._free if d == dtype and numel <= n <= numel * self.reuse_within)
             for size in sizes:  # its own size first, then the smallest idle one larger
                 free = self._free[(size, dtype)]
-                for i, (buffer, events) in enumerate(free):
+                for i, (buffer, events, _) in enumerate(free):
                     if all(e.query() for e in events):
                         free.pop(i)
                         if not free:
                             del self._free[(size, dtype)]
-                        self._returned.pop(id(buffer), None)
                         return buffer if size == numel else buffer[:numel]
         self._make_room(numel, dtype)
         buffer = torch.empty(numel, dtype=dtype)
@@ -181,7 +178,7 @@ class HostPool:
     def free_bytes(self) -> int:
         """Bytes of the pool's own buffers that are back in it (waiting for reuse)."""
         with self._lock:
-            return sum(b.numel() * b.element_size() for free in self._free.values() for b, _ in free)
+            return sum(b.numel() * b.element_size() for free in self._free.values() for b, *_ in free)
 
     def give(self, buffer: Tensor, events: Iterable[Any] = ()) -> None:
         """Return a buffer; it is reused once all ``events`` (device events, ``None`` ignored) completed."""
@@ -190,8 +187,7 @@ class HostPool:
         pending = tuple(e for e in events if e is not None)
         base = buffer if buffer._base is None else buffer._base  # a larger buffer's start went out
         with self._lock:
-            self._free.setdefault((base.numel(), base.dtype), []).append((base, pending))
-            self._returned[id(base)] = self._ticks
+            self._free.setdefault((base.numel(), base.dtype), []).append((base, pending, self._ticks))
 
     def register(self, tensor: Tensor) -> None:
         """Page-lock an existing contiguous host tensor (e.g. a flat weight buffer) until :meth:`close`."""
@@ -253,5 +249,4 @@ class HostPool:
                 torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
             self._registered.clear()
             self._free.clear()
-            self._returned.clear()
             self.pinned_bytes = self.buffer_bytes = 0
