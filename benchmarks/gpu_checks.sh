@@ -42,8 +42,9 @@ GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 run() {  # run NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name"
+  local start=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc=$?" >> "$OUT/$name.log"
+  echo "rc=$? wall_s=$((SECONDS - start))" >> "$OUT/$name.log"
   tail -n 8 "$OUT/$name.log"
 }
 maxseq() {  # maxseq WORKERS [GPU_MEMORY]: longest sequence of the 1.7B shape on cards capped at 8 GiB
