@@ -28,6 +28,7 @@
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
+#        varlen-8-shapes (issue 39: 8 a step, the count and the per-shape cost) liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
 #        qlora-70b qlora-8b tests-qlora (issue 40: bitsandbytes' wheel in .whl, installed with the others)
@@ -219,6 +220,18 @@ for step in "${steps[@]}"; do
     varlen-24gib-pool)  # issue 39: 24 GiB after the host pool's reuse (fce8a28) and expandable segments (1db8e55)
       run varlen-32-24gib-pool 230 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
         --configs newcomer --warmup 12 --steps 4 --config-timeout 220 --out "$OUT/varlen-32-24gib-pool.json" ;;
+    varlen-8-shapes)  # issue 39: 8 a step ran 14,824 real tokens/s with 4 micro-batches chosen (2026-12-03, fourteenth)
+      # against 20,552 with 1 (thirteenth): the default (compile's recompile reasons logged), one micro-batch, widths
+      # rounded up to 256 columns (shapes repeat), flash attention first (no per-shape graph). About 520 s
+      TORCH_LOGS=recompiles run varlen-8-shapes 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,tuned-1,newcomer-width256,newcomer-flash --warmup 10 --steps 6 --config-timeout 140 \
+        --out "$OUT/varlen-8-shapes.json" ;;
+    liger-profile)  # issue 41: plain with Liger ran 21,444 at 4 sequences a micro-batch and 29,227 at 8, plain with
+      # compiled blocks 35,086 and 35,170 (2026-12-03, fourteenth): one profiled step of each, by kernel kind. About 300 s
+      run liger-profile-mb4 200 python benchmarks/lightning_user.py --configs plain-liger,plain-compile --micro-batch 4 \
+        --warmup 4 --steps 2 --profile --config-timeout 95 --out "$OUT/liger-profile-mb4.json"
+      run liger-profile-mb8 110 python benchmarks/lightning_user.py --configs plain-liger --micro-batch 8 \
+        --warmup 4 --steps 2 --profile --config-timeout 100 --out "$OUT/liger-profile-mb8.json" ;;
     qlora-70b)  # issue 40 (bitsandbytes carried as a wheel): the Llama-3.1-70B shape, NF4 base, LoRA r=16, roundpipe's
       # defaults at 24 GiB, then plain Lightning QLoRA (checkpointing) on the full card. Not yet run: budget a call
       run qlora-70b-roundpipe 300 python benchmarks/qlora.py --shape llama-70b --configs roundpipe --gpu-gib 24 \
