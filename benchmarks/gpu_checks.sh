@@ -28,7 +28,8 @@
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
-#        varlen-8-shapes (issue 39: 8 a step, the count and the per-shape cost) liger-profile (issue 41: plain-liger's speed)
+#        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed (32 a step, packed)
+#        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
 #        qlora-70b qlora-8b tests-qlora (issue 40: bitsandbytes' wheel in .whl, installed with the others)
@@ -221,11 +222,18 @@ for step in "${steps[@]}"; do
       run varlen-32-24gib-pool 230 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
         --configs newcomer --warmup 12 --steps 4 --config-timeout 220 --out "$OUT/varlen-32-24gib-pool.json" ;;
     varlen-8-shapes)  # issue 39: 8 a step ran 14,824 real tokens/s with 4 micro-batches chosen (2026-12-03, fourteenth)
-      # against 20,552 with 1 (thirteenth): the default (compile's recompile reasons logged), one micro-batch, widths
-      # rounded up to 256 columns (shapes repeat), flash attention first (no per-shape graph). About 520 s
+      # against 20,552 with 1 (thirteenth): the default (compile's recompile reasons logged), packed micro-batches
+      # (one row each, no padding, varlen flash), one micro-batch, widths rounded up to 256 columns. About 520 s
       TORCH_LOGS=recompiles run varlen-8-shapes 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
-        --configs newcomer,tuned-1,newcomer-width256,newcomer-flash --warmup 10 --steps 6 --config-timeout 140 \
+        --configs newcomer,newcomer-packed,tuned-1,newcomer-width256 --warmup 10 --steps 6 --config-timeout 140 \
         --out "$OUT/varlen-8-shapes.json" ;;
+    varlen-packed)  # issue 39: split_by="packed" (torch's varlen flash attention, no padding) against the default,
+      # 32 a step on the full card, then 24 GiB; its GPU tests first. About 450 s
+      run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py
+      run varlen-32-packed 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
+        --configs newcomer,newcomer-packed --warmup 8 --steps 4 --config-timeout 140 --out "$OUT/varlen-32-packed.json"
+      run varlen-32-24gib-packed 160 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer-packed --warmup 10 --steps 4 --config-timeout 150 --out "$OUT/varlen-32-24gib-packed.json" ;;
     liger-profile)  # issue 41: plain with Liger ran 21,444 at 4 sequences a micro-batch and 29,227 at 8, plain with
       # compiled blocks 35,086 and 35,170 (2026-12-03, fourteenth): one profiled step of each, by kernel kind. About 300 s
       run liger-profile-mb4 200 python benchmarks/lightning_user.py --configs plain-liger,plain-compile --micro-batch 4 \

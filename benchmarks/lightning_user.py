@@ -17,6 +17,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-generic``: ``RoundPipeStrategy(hf_stages="generic")`` (the model's own code around its blocks instead
   of the architecture table's stages: what a model without an entry gets);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
+- ``newcomer-packed`` (``--varlen``): ``RoundPipeStrategy(split_by="packed")`` (each micro-batch's sequences in
+  one row without padding, torch's variable-length flash attention);
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
   ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
   micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
@@ -370,6 +372,8 @@ def strategy_for(
         return RoundPipeStrategy(kernels="none"), False
     if config == "newcomer-generic":
         return RoundPipeStrategy(hf_stages="generic"), False
+    if config == "newcomer-packed":
+        return RoundPipeStrategy(split_by="packed"), False
     if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
     if config == "newcomer-db":
@@ -387,8 +391,8 @@ def strategy_for(
         return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
-        " newcomer-chunked, newcomer-generic, newcomer-cudnn, newcomer-flash, newcomer-widthN, newcomer-db,"
-        " newcomer-gmFRACTION, newcomer-split,"
+        " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-cudnn, newcomer-flash, newcomer-widthN,"
+        " newcomer-db, newcomer-gmFRACTION, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"

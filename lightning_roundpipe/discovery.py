@@ -111,17 +111,20 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
         layers, how = hf.pipeline_layers(hf_model, options.split_decoder_layers, options.tile_tokens, options.hf_stages)
         rank_zero_info(f"roundpipe: {how}")
         check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} stages' layers")
-        split = None if options.split_by == "samples" else hf.TokenSplit.for_model(hf.unwrap(hf_model))
+        packed = options.split_by == "packed"
+        if packed:
+            hf.check_packable(hf.unwrap(hf_model), layers)
+        split = None if options.split_by == "samples" else hf.TokenSplit.for_model(hf.unwrap(hf_model), packed)
         return Pipelined(layers, hf_model=hf_model, split=split)
     if options.kernels == "liger":
         raise ValueError(
             "RoundPipeStrategy(kernels='liger') applies to a Hugging Face model's stages; this model is an"
             " nn.Sequential, whose layers run as written. Use kernels='auto' or 'none'."
         )
-    if options.split_by == "tokens":
+    if options.split_by in ("tokens", "packed"):
         raise ValueError(
-            "RoundPipeStrategy(split_by='tokens') cuts a Hugging Face model's padded token batches; this model is"
-            " an nn.Sequential, whose batches are cut by samples. Use split_by='auto' or 'samples'."
+            f"RoundPipeStrategy(split_by={options.split_by!r}) cuts a Hugging Face model's padded token batches;"
+            " this model is an nn.Sequential, whose batches are cut by samples. Use split_by='auto' or 'samples'."
         )
     if options.split_decoder_layers:
         from lightning_roundpipe.models.hf import PRESETS

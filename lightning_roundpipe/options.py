@@ -20,7 +20,7 @@ from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 
 HF_STAGES = ("auto", "table", "generic")
-SPLITS = ("auto", "tokens", "samples")
+SPLITS = ("auto", "tokens", "packed", "samples")
 KERNELS = ("auto", "liger", "none")
 
 
@@ -106,7 +106,10 @@ class RoundPipeOptions:
     """How a batch is cut into micro-batches: ``"auto"`` cuts a Hugging Face model's padded batches by tokens
     (rows of similar lengths together, each micro-batch trimmed to its longest row, their costs balanced:
     :mod:`~lightning_roundpipe.models.hf.tokens`) and anything else by samples; ``"tokens"`` asks for that
-    (an ``nn.Sequential`` is refused: its inputs are not token batches); ``"samples"`` cuts every batch
+    (an ``nn.Sequential`` is refused: its inputs are not token batches); ``"packed"`` also lays each
+    micro-batch's sequences end to end in one row without padding, attention kept within each sequence (torch's
+    variable-length flash attention on CUDA: :mod:`~lightning_roundpipe.models.hf.packed`; a model of the
+    architecture table with SDPA attention, no sliding windows and no experts); ``"samples"`` cuts every batch
     along dim 0 into near-equal counts."""
     kernels: str = "auto"
     """Faster kernels in a Hugging Face model's stages: ``"auto"`` uses liger-kernel's Triton RMSNorm,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_roundpipe.models.hf.packed import is_packed
 from lightning_roundpipe.models.hf.state import State
 
 AttentionInputs = tuple[Any, Tensor, tuple[Tensor, Tensor]]
@@ -66,6 +67,9 @@ def _make_attention_inputs(
 ) -> AttentionInputs:  # fmt: skip
     from transformers import masking_utils
 
+    if is_packed(attention_mask):  # each sequence attends to itself in the attention function (`packed`)
+        typed = () if layer_type is None else (layer_type,)
+        return None, position_ids, rotary_emb(hidden, position_ids, *typed)
     make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
     # A padding mask next to plain positions has padding in it (`plain_inputs` drops all-ones masks), so
     # the SDPA shortcut to `is_causal` cannot apply; transformers would still test the mask for it on

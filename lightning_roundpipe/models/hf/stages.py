@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from lightning_roundpipe.models.hf.attention import _attention_inputs
 from lightning_roundpipe.models.hf.families import Family, Norms
 from lightning_roundpipe.models.hf.labels import head_loss
+from lightning_roundpipe.models.hf.packed import attention_kwargs
 from lightning_roundpipe.models.hf.router import _add_router_sums, _router_of, _RouterLogits, load_balancing
 from lightning_roundpipe.models.hf.state import State
 from lightning_roundpipe.models.tiling import tiled
@@ -65,8 +66,9 @@ class DecoderStage(nn.Module):
         hidden, attention_mask, position_ids, labels, sums = state
         mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
         router = _router_of(getattr(self.layer, "mlp", None), self.router) if sums is not None else None
+        packed = attention_kwargs(self, attention_mask, hidden.shape[1])
         with _RouterLogits(router) as logits:
-            out = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            out = self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary, **packed)
         if logits:
             assert sums is not None
             sums = _add_router_sums(sums, logits[0], attention_mask, self.config.num_experts_per_tok)
@@ -131,7 +133,10 @@ class AttentionStage(_Half):
         mask, positions, rotary = _attention_inputs(self.config, self.sliding, self.rotary_emb, state, self.layer_type)
         norm = getattr(self, self.before) if self.before is not None else None
         x = hidden if norm is None else tiled(norm, norm, hidden, self.tile_tokens)
-        out = self.self_attn(hidden_states=x, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+        packed = attention_kwargs(self, attention_mask, hidden.shape[1])
+        out = self.self_attn(
+            hidden_states=x, attention_mask=mask, position_ids=positions, position_embeddings=rotary, **packed
+        )
         return hidden + self._branch(out[0]), attention_mask, position_ids, labels, sums
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.models.hf.attention import plain_inputs
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX
+from lightning_roundpipe.models.hf.packed import pack
 
 Inputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
 
@@ -41,12 +42,15 @@ class TokenSplit:
     """Each micro-batch's width rounded up to a multiple of this (capped at the batch's): shapes then repeat from
     batch to batch (cuDNN's attention builds a graph per new shape); the added columns are trailing padding."""
 
-    def __init__(self, span: float = math.inf) -> None:
+    def __init__(self, span: float = math.inf, packed: bool = False) -> None:
         self.span = span
         """Tokens at which attention costs as much as the rest of a layer, per token (``inf``: never)."""
+        self.packed = packed
+        """Each micro-batch's sequences end to end in one row, unpadded (:mod:`.packed`), where the batch is
+        right-padded with no label on its padding; a group then costs the sum of its rows' costs."""
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> TokenSplit:
+    def for_model(cls, model: nn.Module, packed: bool = False) -> TokenSplit:
         """The split for a causal LM: ``span`` is a decoder block's parameters over the model's hidden size (its
         base model's largest ``ModuleList``; all experts counted for a mixture: attention then weighs a little
         less); without them, lengths alone."""
@@ -54,9 +58,9 @@ class TokenSplit:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         lists = [m for m in base.children() if isinstance(m, nn.ModuleList) and len(m)] if base is not None else []
         if not lists or not hidden:
-            return cls()
+            return cls(packed=packed)
         blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-        return cls(sum(p.numel() for p in blocks[0].parameters()) / hidden)
+        return cls(sum(p.numel() for p in blocks[0].parameters()) / hidden, packed)
 
     def cost(self, rows: int, length: int) -> float:
         return rows * length * (1.0 + length / self.span)
@@ -66,7 +70,11 @@ class TokenSplit:
         if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
             return _by_samples(inputs, num)
         lengths = kept_lengths(attention_mask, labels)
-        groups = self.groups(lengths.tolist(), num)
+        packed = self._packs(inputs)
+        groups = self.groups(lengths.tolist(), num, packed)
+        if packed:
+            rows_packed = [pack(input_ids, labels, lengths.tolist(), rows) for rows in groups]
+            return rows_packed, [m[3] for m in rows_packed]  # type: ignore[misc]
         micro_inputs, micro_targets = [], []
         for rows in groups:
             index = torch.tensor(rows, dtype=torch.long)
@@ -88,46 +96,66 @@ class TokenSplit:
         _, attention_mask, _, labels = inputs
         if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
             return None
-        return functools.partial(self._padded, kept_lengths(attention_mask, labels).tolist(), width=labels.shape[1])
+        lengths, packed = kept_lengths(attention_mask, labels).tolist(), self._packs(inputs)
+        return functools.partial(self._elements, lengths, width=labels.shape[1], packed=packed)
 
-    def _padded(self, lengths: list[int], num: int, width: int) -> list[int]:
-        groups = self.groups(lengths, max(1, min(num, len(lengths))))
+    def _elements(self, lengths: list[int], num: int, width: int, packed: bool) -> list[int]:
+        groups = self.groups(lengths, max(1, min(num, len(lengths))), packed)
+        if packed:
+            return [sum(lengths[r] for r in rows) for rows in groups]
         return [len(rows) * self._width(max(lengths[r] for r in rows), width) for rows in groups]
+
+    def _packs(self, inputs: Inputs) -> bool:
+        """Whether this batch's micro-batches are packed: asked for, right padding without labels on it, and
+        positions of their own (``0..T-1``, left out by :func:`plain_inputs`)."""
+        _, attention_mask, position_ids, labels = inputs
+        return self.packed and position_ids is None and trailing_padding(attention_mask, labels)
 
     def _width(self, length: int, width: int) -> int:
         return min(width, -(-length // self.width_multiple) * self.width_multiple)
 
-    def groups(self, lengths: list[int], num: int) -> list[list[int]]:
+    def groups(self, lengths: list[int], num: int, packed: bool = False) -> list[list[int]]:
         """``num`` groups of row indices, rows of similar lengths together (longest first), the largest group
-        cost as small as contiguous runs of the rows sorted by length allow."""
+        cost as small as contiguous runs of the rows sorted by length allow (``packed``: a group costs its
+        rows' costs, unpadded)."""
         if num < 1 or num > len(lengths):
             raise ValueError(f"cannot cut {len(lengths)} rows into {num} micro-batches")
         order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
         low = max(self.cost(1, lengths[r]) for r in order)
-        high = self.cost(len(order), lengths[order[0]])
+        high = self._run_cost(order, lengths, packed)
         for _ in range(40):  # the smallest cap whose greedy runs number at most `num` (to a 1e-12 fraction)
             middle = (low + high) / 2
-            if len(self._runs(order, lengths, middle)) <= num:
+            if len(self._runs(order, lengths, middle, packed)) <= num:
                 high = middle
             else:
                 low = middle
-        runs = self._runs(order, lengths, high)
+        runs = self._runs(order, lengths, high, packed)
         while len(runs) < num:  # fewer runs than micro-batches: the costliest run with two rows or more halves
-            i = max((i for i, run in enumerate(runs) if len(run) > 1), key=lambda i: self._run_cost(runs[i], lengths))
+            i = max(
+                (i for i, run in enumerate(runs) if len(run) > 1),
+                key=lambda i: self._run_cost(runs[i], lengths, packed),
+            )
             run = runs.pop(i)
             runs[i:i] = [run[: len(run) // 2], run[len(run) // 2 :]]
         return runs
 
-    def _runs(self, order: list[int], lengths: list[int], cap: float) -> list[list[int]]:
+    def _runs(self, order: list[int], lengths: list[int], cap: float, packed: bool) -> list[list[int]]:
         runs: list[list[int]] = []
+        total = 0.0  # the last run's cost, packed
         for r in order:
-            if runs and self.cost(len(runs[-1]) + 1, lengths[runs[-1][0]]) <= cap:
+            alone = self.cost(1, lengths[r])
+            grown = total + alone if packed else self.cost(len(runs[-1]) + 1, lengths[runs[-1][0]]) if runs else 0.0
+            if runs and grown <= cap:
                 runs[-1].append(r)
+                total = grown
             else:
                 runs.append([r])
+                total = alone
         return runs
 
-    def _run_cost(self, run: list[int], lengths: list[int]) -> float:
+    def _run_cost(self, run: list[int], lengths: list[int], packed: bool = False) -> float:
+        if packed:
+            return sum(self.cost(1, lengths[r]) for r in run)
         return self.cost(len(run), max(lengths[r] for r in run))
 
 

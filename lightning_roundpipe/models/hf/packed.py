@@ -1,0 +1,197 @@
+"""Packed micro-batches: a micro-batch's sequences laid end to end in one row, with no padding, and attention
+that keeps each sequence to itself (``RoundPipeStrategy(split_by="packed")``).
+
+Cut by tokens (:mod:`.tokens`), a micro-batch still pads its rows to its longest one, and every new (rows,
+length) shape is one more shape for the attention kernels (cuDNN's builds a graph per shape) and for compiled
+blocks (a single row compiles apart from several). Packed, a micro-batch holds real tokens only, in one row:
+position ids restart at 0 at each sequence (as transformers' ``DataCollatorWithFlattening`` makes them), and the
+first label of each sequence is -100 (the sequence before it does not predict it; in a padded row nothing
+predicted it either: the loss has the same terms and the same count). Its sequences' boundaries travel between
+stages in the padding mask's place, as cumulative lengths (1-D int32; a padding mask is 2-D). Attention runs over
+each sequence alone: on CUDA in half precision through torch's variable-length flash attention
+(``torch.nn.attention.varlen``), elsewhere sequence by sequence through SDPA.
+
+The workers' replicas point their attention at :data:`NAME`, registered with transformers next to its own
+implementations: SDPA for micro-batches that are not packed. The user's model keeps its own setting.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_roundpipe.models.hf.labels import IGNORE_INDEX
+
+NAME = "roundpipe_packed"
+"""The attention implementation a replica runs packed micro-batches with (SDPA for any other)."""
+
+
+def is_packed(attention_mask: Tensor | None) -> bool:
+    """Whether a stage's padding-mask slot holds a packed micro-batch's cumulative sequence lengths."""
+    return attention_mask is not None and attention_mask.dim() == 1
+
+
+def pack(input_ids: Tensor, labels: Tensor, lengths: Sequence[int], rows: Sequence[int]) -> tuple[Tensor, ...]:
+    """Rows ``rows`` of a right-padded batch, each cut to its ``lengths[row]`` real tokens, in one row: the
+    inputs ``(ids, cumulative lengths, positions, labels)`` of a packed micro-batch."""
+    ids = torch.cat([input_ids[r, : lengths[r]] for r in rows])[None]
+    positions = torch.cat([torch.arange(lengths[r], device=input_ids.device) for r in rows])[None]
+    parts = []
+    for r in rows:
+        part = labels[r, : lengths[r]].clone()
+        part[0] = IGNORE_INDEX  # the previous sequence's last token does not predict this one
+        parts.append(part)
+    bounds = torch.tensor([0, *itertools.accumulate(lengths[r] for r in rows)], dtype=torch.int32)
+    return ids, bounds.to(input_ids.device), positions, torch.cat(parts)[None]
+
+
+def attention_kwargs(module: nn.Module, attention_mask: Tensor | None, tokens: int) -> dict[str, Any]:
+    """What a decoder block is called with besides its usual arguments: for a packed micro-batch, transformers'
+    variable-length keywords (its flash attention's names), with ``module``'s replica pointed at :data:`NAME`;
+    nothing otherwise. ``tokens``: the row's length, the bound given for the longest sequence (no host sync)."""
+    if not is_packed(attention_mask):
+        return {}
+    use_packed_attention(module)
+    return {
+        "cu_seq_lens_q": attention_mask, "cu_seq_lens_k": attention_mask, "max_length_q": tokens,
+        "max_length_k": tokens,
+    }  # fmt: skip
+
+
+def use_packed_attention(module: nn.Module) -> None:
+    """Point a replica's model config (its own deep copy, shared by its attention modules) at :data:`NAME`."""
+    config = module.config
+    if config._attn_implementation == NAME:
+        return
+    if "_roundpipe_replica" not in module.__dict__:
+        raise RuntimeError("packed micro-batches run on the workers' replicas only, not on the user's modules")
+    if config._attn_implementation != "sdpa":
+        raise ValueError(
+            f"RoundPipeStrategy(split_by='packed') runs attention sequence by sequence in place of SDPA; this model"
+            f" uses attn_implementation={config._attn_implementation!r}. Load it with attn_implementation='sdpa'"
+            " or use split_by='auto'."
+        )
+    register()
+    config.__dict__["_attn_implementation_internal"] = NAME  # the field itself: the setter rewrites sub-configs
+
+
+@functools.cache
+def register() -> None:
+    """Add :data:`NAME` to transformers' attention and mask implementations (its masks are SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+) -> tuple[Tensor, None]:  # fmt: skip
+    """Transformers' attention interface: ``(batch, heads, tokens, dim)`` in, ``(batch, tokens, heads, dim)``
+    out. Packed (``cu_seq_lens_q`` given): causal attention within each sequence; else SDPA as transformers runs it."""
+    bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("packed micro-batches do not take sliding-window attention: use split_by='auto'")
+    if dropout:
+        raise ValueError("packed micro-batches run attention without dropout: use split_by='auto'")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed micro-batch is one row, not {query.shape[0]}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    flash_dtype = query.dtype in (torch.float16, torch.bfloat16)  # flash kernels: half precision only
+    varlen = _varlen() if query.is_cuda and flash_dtype else None
+    if varlen is not None:
+        out = _flash(varlen, query[0], key[0], value[0], bounds, kwargs["max_length_q"], scale)  # a SymInt compiled
+    else:
+        out = _by_sequence(query[0], key[0], value[0], bounds, scale)
+    return out[None], None
+
+
+def _by_sequence(query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, scale: float) -> Tensor:
+    """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out: SDPA's causal attention per sequence."""
+    edges = bounds.tolist()
+    gqa = query.shape[0] != key.shape[0]
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, a:b], key[:, a:b], value[:, a:b], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        for a, b in itertools.pairwise(edges)
+    ]
+    return torch.cat(parts, dim=1).transpose(0, 1)
+
+
+def _find_varlen() -> tuple[Any, frozenset[str]]:
+    """torch's variable-length attention (``torch.nn.attention.varlen.varlen_attn``) and its keywords, or
+    ``None`` before it. Looked up once at import: the attention runs inside compiled blocks, where a lookup
+    or a signature read would break the graph."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN, _VARLEN_TAKES = _find_varlen()
+
+
+def _varlen() -> Any:
+    return _VARLEN
+
+
+def _flash(
+    varlen: Any, query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, longest: int, scale: float
+) -> Tensor:
+    """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out, through ``varlen_attn`` (its keywords differ
+    between torch releases: causality as ``is_causal`` or as a window, GQA by a flag or by repeated heads)."""
+    takes = _VARLEN_TAKES
+    q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+    options: dict[str, Any] = {}
+    if "window_size" in takes:
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    if "scale" in takes:
+        options["scale"] = scale
+    elif abs(scale - query.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError("this torch's varlen_attn takes no scale, and the model's attention is not 1/sqrt(dim)")
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in takes:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    bounds = bounds.to(torch.int32)
+    return varlen(q.contiguous(), k.contiguous(), v.contiguous(), bounds, bounds, longest, longest, **options)
+
+
+def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """A clear error at setup for a model whose micro-batches cannot be packed: attention other than SDPA, stages
+    other than the architecture table's (the generic path runs the model's own masks), sliding windows or experts
+    (their router sums read the padding mask)."""
+    from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
+
+    what = "RoundPipeStrategy(split_by='packed')"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", NAME):
+        raise ValueError(
+            f"{what} runs attention sequence by sequence in place of SDPA; this model uses"
+            f" attn_implementation={implementation!r}. Load it with attn_implementation='sdpa' or use split_by='auto'."
+        )
+    known = (InputStage, DecoderStage, AttentionStage, MlpStage, OutputStage)
+    if not all(isinstance(layer, known) for layer in layers):
+        raise ValueError(f"{what} takes the architecture table's stages; this model takes the generic path")
+    if any(getattr(layer, "sliding", False) for layer in layers):
+        raise ValueError(f"{what} does not take sliding-window attention; use split_by='auto'")
+    if any(getattr(layer, "router", None) for layer in layers):
+        raise ValueError(f"{what} does not take mixture-of-experts blocks; use split_by='auto'")

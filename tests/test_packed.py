@@ -1,0 +1,211 @@
+"""Packed micro-batches (issue 39, ``RoundPipeStrategy(split_by="packed")``): each micro-batch's sequences end to
+end in one row without padding, positions restarting, each sequence's first label -100, attention within each
+sequence; training equals plain Lightning's on padded batches of new lengths (with LoRA, with a batch of one
+length, split blocks), asynchronously the staleness-one reference; models that cannot be packed are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import relative_error
+from test_hf import tiny
+from test_tokens import LM, as_inputs, batches, fit, flat, instruction_batch
+from torch.utils.data import DataLoader
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_roundpipe import RoundPipeStrategy  # noqa: E402
+from lightning_roundpipe.models import hf  # noqa: E402
+from lightning_roundpipe.models.hf import packed  # noqa: E402
+from lightning_roundpipe.models.hf.tokens import TokenSplit  # noqa: E402
+
+
+def labelled_throughout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every real token labelled (no prompt): a sequence's first label is a token, which packing must drop."""
+    return dict(batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+
+
+@pytest.mark.parametrize("prompts", [True, False])
+def test_packed_micro_batches_hold_only_real_tokens_with_the_same_loss_terms(prompts):
+    batch = instruction_batch(rows=12, seed=0)
+    batch = batch if prompts else labelled_throughout(batch)
+    inputs = as_inputs(batch)
+    split = TokenSplit(span=16.0, packed=True)
+    micro, targets = split(inputs, inputs[-1], 4)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert len(micro) == 4 and all(t is m[3] for m, t in zip(micro, targets))
+    assert sum(m[0].numel() for m in micro) == sum(lengths)  # no padding at all
+    seen = []
+    for ids, bounds, positions, labels in micro:
+        assert ids.shape[0] == 1 and bounds.dtype == torch.int32 and packed.is_packed(bounds)
+        assert int(bounds[-1]) == ids.shape[1] and positions.shape == ids.shape
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            assert positions[0, a:b].tolist() == list(range(b - a))  # positions restart at each sequence
+            assert int(labels[0, a]) == -100  # nothing predicts a sequence's first token
+            row = next(r for r in range(12) if r not in seen and batch["input_ids"][r, : b - a].equal(ids[0, a:b]))
+            seen.append(row)
+            assert labels[0, a + 1 : b].equal(batch["labels"][row, 1 : b - a])
+    assert sorted(seen) == list(range(12))
+    counted = sum(int(hf.counted_tokens(m[3])) for m in micro)
+    assert counted == int(hf.counted_tokens(batch["labels"]))  # the loss is normalised over the same count
+    at = split.sizes(inputs, inputs[-1])
+    for num in (1, 3, 4, 12):
+        assert at(num) == [m[0].numel() for m in split(inputs, inputs[-1], num)[0]]
+    costs = [sum(split.cost(1, b - a) for a, b in zip(m[1][:-1].tolist(), m[1][1:].tolist())) for m in micro]
+    assert max(costs) <= 2 * sum(split.cost(1, n) for n in lengths) / 4  # balanced within twice the mean
+
+
+def test_a_batch_that_cannot_be_packed_is_cut_by_tokens_as_before():
+    left = {k: v.flip(1) for k, v in instruction_batch(rows=4, seed=2).items()}  # left padding
+    left["labels"] = left["input_ids"].masked_fill(left["attention_mask"] == 0, -100)
+    inputs = as_inputs(left)
+    micro, _ = TokenSplit(packed=True)(inputs, inputs[-1], 2)
+    assert all(m[0].shape[0] > 1 or m[1] is None or m[1].dim() == 2 for m in micro)
+    assert not any(packed.is_packed(m[1]) for m in micro)
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_attention_sequence_by_sequence_equals_sdpa_on_each_sequence_alone(gqa):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    total, heads, kv, dim = sum(lengths), 4, 2 if gqa else 4, 8
+    q, k, v = (torch.randn(1, h, total, dim, generator=g) for h in (heads, kv, kv))
+    bounds = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    module = torch.nn.Module()
+    out, _ = packed.attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=bounds, max_length_q=total)
+    assert out.shape == (1, total, heads, dim)
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        kk, vv = (t[:, :, a:b].repeat_interleave(heads // kv, dim=1) for t in (k, v))
+        alone = F.scaled_dot_product_attention(q[:, :, a:b], kk, vv, is_causal=True, scale=0.3)
+        assert torch.allclose(out[0, a:b], alone[0].transpose(0, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("lora", "lengths", "split", "prompts"),
+    [
+        (False, {}, False, True), (True, {}, False, True), (False, {"shortest": 12, "longest": 12}, False, True),
+        (False, {}, True, True), (False, {}, False, False),
+    ],
+)  # fmt: skip
+def test_training_packed_equals_plain_lightning(monkeypatch, lora, lengths, split, prompts):
+    """Four steps of eight sequences of new lengths, two workers, four micro-batches, synchronous: the weights
+    equal plain Lightning's; the micro-batches were packed (one row each, no padding) unless a batch has none."""
+    seen = []
+    call = TokenSplit.__call__
+    monkeypatch.setattr(TokenSplit, "__call__", lambda *a: seen.append(result := call(*a)) or result)
+
+    def data(**kwargs):
+        loader = batches(**kwargs)
+        return loader if prompts else DataLoader([labelled_throughout(b) for b in loader], batch_size=None)
+
+    plain, _ = fit("auto", 1, data(**lengths), lora)
+    strategy = RoundPipeStrategy(
+        num_microbatches=4, async_optimizer=False, split_by="packed", split_decoder_layers=split
+    )
+    ours, trainer = fit(strategy, 2, data(**lengths), lora, data(steps=1, **lengths))
+    assert relative_error(flat(ours), flat(plain)) <= 1e-5
+    assert relative_error(flat(ours), flat(LM(lora))) > 1e-4  # it trained
+    assert torch.isfinite(trainer.callback_metrics["val_loss"])
+    rows = [m for micro, _ in seen for m in micro]
+    if lengths:  # one length: no padding, nothing to pack (cut by samples)
+        assert not any(packed.is_packed(m[1]) for m in rows)
+    else:
+        assert rows and all(m[0].shape[0] == 1 and packed.is_packed(m[1]) for m in rows)
+    assert LM(lora).model.config._attn_implementation == "sdpa"  # the user's model keeps its own
+    assert ours.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.timeout(120)
+def test_asynchronous_packed_training_equals_the_staleness_one_reference():
+    ours, _ = fit(RoundPipeStrategy(num_microbatches=4, split_by="packed"), 2, batches())
+    L.seed_everything(0, verbose=False)
+    reference = LM()
+    current, lagged = reference.model, copy.deepcopy(reference.model)
+    opt = torch.optim.AdamW(current.parameters(), lr=1e-2)
+    for batch in batches():
+        lagged.zero_grad()
+        lagged(**batch).loss.backward()
+        for p, q in zip(current.parameters(), lagged.parameters()):
+            p.grad = q.grad.clone()
+        before_update = copy.deepcopy(current.state_dict())
+        opt.step()
+        lagged.load_state_dict(before_update)
+    assert relative_error(flat(ours), flat(reference)) <= 1e-5
+
+
+def test_models_that_cannot_be_packed_are_refused_at_setup():
+    from test_hf import tiny_moe
+
+    from lightning_roundpipe.discovery import pipelined_layers
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    options = RoundPipeOptions(split_by="packed")
+    assert pipelined_layers(LM(), options, cuda=False).split.packed
+    eager = LM()
+    eager.model = tiny("qwen3", attn="eager")
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        pipelined_layers(eager, options, cuda=False)
+    moe = LM()
+    moe.model = tiny_moe(aux=False)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        pipelined_layers(moe, options, cuda=False)
+    from helpers import BoringPipeline, boring_data
+
+    with pytest.raises(ValueError, match=r"split_by='packed'\) cuts a Hugging Face model's padded token batches"):
+        L.Trainer(strategy=RoundPipeStrategy(split_by="packed"), accelerator="cpu", devices=2, max_steps=1,
+                  logger=False, enable_progress_bar=False).fit(BoringPipeline(), boring_data())  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_packed_attention_on_a_gpu_runs_torch_s_varlen_kernel_like_sdpa_per_sequence():
+    """The flash path (``torch.nn.attention.varlen``) against SDPA on each sequence alone, bf16, GQA: outputs and
+    gradients within bf16 rounding."""
+    if packed._varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [700, 1, 1300, 257]
+    total, bounds = sum(lengths), torch.tensor([0, 700, 701, 2001, 2258], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1, h, total, 128, generator=g, device="cuda", dtype=torch.bfloat16) for h in (16, 8, 8))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, _ = packed.attention(torch.nn.Module(), q, k, v, None, scaling=0.1, cu_seq_lens_q=bounds, max_length_q=total)
+    reference = packed._by_sequence(q[0], k[0], v[0], bounds, 0.1)[None]
+    assert relative_error(out.float(), reference.float()) <= 2e-2
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    expected = torch.autograd.grad(reference.float().square().sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        assert relative_error(got.float(), want.float()) <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_packed_training_on_a_gpu_with_compiled_blocks_trains_like_plain_lightning(recwarn):
+    """Under ``Trainer`` on the GPU, bf16-mixed, every default but ``split_by="packed"`` (blocks compiled by
+    Inductor around the varlen kernel): weights moved within bf16 rounding of plain Lightning's on padded
+    batches, the micro-batches packed, and no block fell back to eager."""
+    from lightning_roundpipe.runtime.compiles import compilations
+
+    class Module(LM):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def run(strategy):
+        L.seed_everything(0, verbose=False)
+        module = Module()
+        L.Trainer(
+            strategy=strategy, accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=3, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(module, batches(steps=3, longest=40))  # fmt: skip
+        return module.cpu()
+
+    plain = run("auto")
+    before = compilations()
+    ours = run(RoundPipeStrategy(async_optimizer=False, num_microbatches=3, split_by="packed"))
+    assert compilations() > before
+    assert not [w for w in recwarn if "could not compile" in str(w.message)]
+    start = flat(Module())
+    assert relative_error(flat(ours) - start, flat(plain) - start) <= 0.1
