@@ -59,6 +59,8 @@ def attention_kwargs(module: nn.Module, attention_mask: Tensor | None, tokens: i
     if not is_packed(attention_mask):
         return {}
     use_packed_attention(module)
+    if attention_mask.is_cuda:
+        _check_flash(module, attention_mask.device)
     return {
         "cu_seq_lens_q": attention_mask, "cu_seq_lens_k": attention_mask, "max_length_q": tokens,
         "max_length_k": tokens,
@@ -82,6 +84,41 @@ def use_packed_attention(module: nn.Module) -> None:
     config.__dict__["_attn_implementation_internal"] = NAME  # the field itself: the setter rewrites sub-configs
 
 
+def _check_flash(module: nn.Module, device: torch.device) -> None:
+    """On CUDA a packed micro-batch runs torch's flash kernel only: a clear error where it cannot (no
+    ``torch.nn.attention.varlen``, a card before sm80, a head size it does not take, attention not in half
+    precision) instead of a failure inside a compiled block."""
+    config = module.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    half = (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _HALF) or (
+        weight is not None and weight.dtype in _HALF
+    )
+    scaling = next((m.scaling for m in module.modules() if isinstance(getattr(m, "scaling", None), float)), None)
+    unscaled = "scale" not in _VARLEN_TAKES and scaling is not None and abs(scaling - head_dim**-0.5) > 1e-9
+    why = (
+        "this torch has no torch.nn.attention.varlen" if _VARLEN is None
+        else f"this torch's varlen_attn takes no scale, and the model's is {scaling:g}" if unscaled
+        else f"{device} is older than sm80" if _capability(device) < (8, 0)
+        else f"its head size {head_dim} is not a multiple of 8 up to 256" if head_dim % 8 or head_dim > 256
+        else "attention would run in float32 (precision='bf16-mixed', '16-mixed' or a half-precision model runs it"
+        " in half precision)" if not half else None
+    )  # fmt: skip
+    if why is not None:
+        raise ValueError(
+            f"RoundPipeStrategy(split_by='packed') runs attention on CUDA through torch's variable-length flash"
+            f" kernel, which cannot run here: {why}. Use split_by='auto'."
+        )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 @functools.cache
 def register() -> None:
     """Add :data:`NAME` to transformers' attention and mask implementations (its masks are SDPA's)."""
@@ -103,33 +140,29 @@ def attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("packed micro-batches do not take sliding-window attention: use split_by='auto'")
+    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"packed micro-batches do not take attention with {name}: use split_by='auto'")
     if dropout:
         raise ValueError("packed micro-batches run attention without dropout: use split_by='auto'")
     if query.shape[0] != 1:
         raise ValueError(f"a packed micro-batch is one row, not {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    flash_dtype = query.dtype in (torch.float16, torch.bfloat16)  # flash kernels: half precision only
-    varlen = _varlen() if query.is_cuda and flash_dtype else None
-    if varlen is not None:
-        out = _flash(varlen, query[0], key[0], value[0], bounds, kwargs["max_length_q"], scale)  # a SymInt compiled
+    if query.is_cuda:  # `attention_kwargs` checked that the flash kernel runs here
+        out = _flash(_VARLEN, query[0], key[0], value[0], bounds, kwargs["max_length_q"], scale)  # a SymInt compiled
     else:
         out = _by_sequence(query[0], key[0], value[0], bounds, scale)
     return out[None], None
 
 
 def _by_sequence(query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, scale: float) -> Tensor:
-    """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out: SDPA's causal attention per sequence."""
-    edges = bounds.tolist()
+    """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out: SDPA with a causal mask within each sequence
+    (made on the device from the boundaries: no host sync, one graph whatever the sequences)."""
+    tokens = torch.arange(query.shape[1], device=query.device)
+    sequence = torch.searchsorted(bounds[1:].to(tokens.dtype), tokens, right=True)
+    mask = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
     gqa = query.shape[0] != key.shape[0]
-    parts = [
-        F.scaled_dot_product_attention(
-            query[:, a:b], key[:, a:b], value[:, a:b], is_causal=True, scale=scale, enable_gqa=gqa
-        )
-        for a, b in itertools.pairwise(edges)
-    ]
-    return torch.cat(parts, dim=1).transpose(0, 1)
+    return F.scaled_dot_product_attention(query, key, value, mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
 
 
 def _find_varlen() -> tuple[Any, frozenset[str]]:
@@ -154,7 +187,7 @@ def _flash(
     varlen: Any, query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, longest: int, scale: float
 ) -> Tensor:
     """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out, through ``varlen_attn`` (its keywords differ
-    between torch releases: causality as ``is_causal`` or as a window, GQA by a flag or by repeated heads)."""
+    between torch releases: causality as ``is_causal`` or as a window, GQA by a flag or without one)."""
     takes = _VARLEN_TAKES
     q, k, v = (t.transpose(0, 1) for t in (query, key, value))
     options: dict[str, Any] = {}
@@ -166,11 +199,8 @@ def _flash(
         options["scale"] = scale
     elif abs(scale - query.shape[-1] ** -0.5) > 1e-12:
         raise ValueError("this torch's varlen_attn takes no scale, and the model's attention is not 1/sqrt(dim)")
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in takes:
-            options["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if k.shape[1] != q.shape[1] and "enable_gqa" in takes:  # before the flag, the flash kernel took GQA as is
+        options["enable_gqa"] = True
     bounds = bounds.to(torch.int32)
     return varlen(q.contiguous(), k.contiguous(), v.contiguous(), bounds, bounds, longest, longest, **options)
 
@@ -195,3 +225,5 @@ def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
         raise ValueError(f"{what} does not take sliding-window attention; use split_by='auto'")
     if any(getattr(layer, "router", None) for layer in layers):
         raise ValueError(f"{what} does not take mixture-of-experts blocks; use split_by='auto'")
+    if getattr(model.config, "attention_dropout", 0.0):
+        raise ValueError(f"{what} runs attention without dropout; this model's attention_dropout is set")
