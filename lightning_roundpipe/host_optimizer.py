@@ -41,10 +41,17 @@ def fusable(optimizer: torch.optim.Optimizer) -> bool:
     return base is not None and type(optimizer).step is base.step
 
 
+def _stepped(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The group's parameters a step can change: those that require grad. The host store fixes which are
+    trainable at setup (a frozen one has no gradient buffer), so frozen ones (a LoRA base, bf16 or 4-bit packed)
+    never reach the kernel and do not decide it."""
+    return [p for p in group["params"] if p.requires_grad]
+
+
 def _group_fusable(group: dict[str, Any]) -> bool:
     if group.get("differentiable") or group.get("capturable"):
         return False
-    return all(p.device.type == "cpu" and torch.is_floating_point(p) for p in group["params"])
+    return all(p.device.type == "cpu" and torch.is_floating_point(p) for p in _stepped(group))
 
 
 def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str]:
@@ -162,7 +169,7 @@ def _refuse_disagreeing_kernel(optimizer: torch.optim.Optimizer) -> set[int]:
         ):
             continue  # the user's choice of no fused kernel: nothing to check
         settings = _settings(optimizer, group)
-        for dtype in sorted({p.dtype for p in group["params"] if torch.is_floating_point(p)}, key=str):
+        for dtype in sorted({p.dtype for p in _stepped(group) if torch.is_floating_point(p)}, key=str):
             difference = fused_disagrees(type(optimizer), _key(settings), dtype)
             if difference is None:
                 continue
