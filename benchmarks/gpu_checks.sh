@@ -29,6 +29,7 @@
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
 #        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed (32 a step, packed)
+#        varlen-plain-packed (plain Lightning on packed rows)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -227,6 +228,11 @@ for step in "${steps[@]}"; do
       TORCH_LOGS=recompiles run varlen-8-shapes 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-packed,tuned-1,newcomer-width256 --warmup 10 --steps 6 --config-timeout 140 \
         --out "$OUT/varlen-8-shapes.json" ;;
+    varlen-plain-packed)  # issue 39's plain with packing: transformers' DataCollatorWithFlattening rows, each block
+      # compiled, and plain with Liger packed, 32 a step on the full card (about 330 s)
+      run varlen-32-plain-packed 340 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
+        --configs plain-compile-packed,plain-liger-packed --warmup 6 --steps 4 --config-timeout 165 \
+        --out "$OUT/varlen-32-plain-packed.json" ;;
     varlen-packed)  # issue 39: split_by="packed" (torch's varlen flash attention, no padding) against the default,
       # 32 a step on the full card, then 24 GiB; its GPU tests first. About 450 s
       run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py
