@@ -185,7 +185,8 @@ class PipelineEngine:
         batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"), split)
         if (plan := self.caches.next_plan(self.calls, batch.samples)) is not None:
             self.set_plan(plan)  # the allocators kept giving memory back: a smaller plan on trial, or the end of one
-        noted = self.planner.shapes.note(split, inputs, target)  # a padded batch's micro-batches at any count
+        # a padded batch's micro-batches at any count, for a planner that plans them (a fixed plan reads none)
+        noted = self.planner.auto and self.planner.shapes.note(split, inputs, target)
         row = batch.elements / max(1, batch.samples)
         if (plan := self.planner.widen(self.store, batch.samples, row, noted)) is not None:
             self.set_plan(plan)  # wider (longer) samples than the plan was made for: its plan from the same costs

@@ -285,10 +285,8 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
         # with the split's sizes, memory follows them (a wider row alone says nothing more)
         larger = noted and self.shapes.newest_largest(self.num_microbatches) > self.memory_elements
         wider = row_elements > self.row_elements and not noted
-        if samples <= self.batch_samples and not wider and not larger:
-            return None
-        if samples <= self.batch_samples and not wider and self._still_fits(store):
-            return None  # a larger micro-batch the running plan holds: no new plan, no change of pace
+        if samples <= self.batch_samples and not wider and (not larger or self._still_fits(store)):
+            return None  # nothing larger, or a larger micro-batch the running plan holds: no change of pace
         running = (self.plan, self.microbatches_per_round, self.batch_samples, self.row_elements)
         costs = (self.layer_costs, self.planned_elements, self.memory_elements)
         self.batch_samples, self.row_elements = max(self.batch_samples, samples), max(self.row_elements, row_elements)

@@ -65,11 +65,22 @@ def _make_attention_inputs(
     config: Any, sliding: bool, rotary_emb: nn.Module, hidden: Tensor, attention_mask: Tensor | None,
     position_ids: Tensor | None, layer_type: str | None,
 ) -> AttentionInputs:  # fmt: skip
+    # packed: each sequence attends to itself in the attention function (`packed`), no mask
+    mask = None if is_packed(attention_mask) else _mask(config, sliding, hidden, attention_mask, position_ids)
+    positions = position_ids
+    if positions is None:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
+    rotary = rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
+    return mask, positions, rotary
+
+
+def _mask(
+    config: Any, sliding: bool, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+) -> Any:
+    """The attention mask transformers' mask functions make for the configured implementation (SDPA's for
+    eager attention, turned additive here)."""
     from transformers import masking_utils
 
-    if is_packed(attention_mask):  # each sequence attends to itself in the attention function (`packed`)
-        typed = () if layer_type is None else (layer_type,)
-        return None, position_ids, rotary_emb(hidden, position_ids, *typed)
     make_mask = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
     # A padding mask next to plain positions has padding in it (`plain_inputs` drops all-ones masks), so
     # the SDPA shortcut to `is_causal` cannot apply; transformers would still test the mask for it on
@@ -88,11 +99,7 @@ def _make_attention_inputs(
     if sdpa_config is not None and isinstance(mask, Tensor) and mask.dtype == torch.bool:
         additive = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device)
         mask = additive.masked_fill_(mask.logical_not(), torch.finfo(hidden.dtype).min)
-    positions = position_ids
-    if positions is None:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], -1)
-    rotary = rotary_emb(hidden, positions) if layer_type is None else rotary_emb(hidden, positions, layer_type)
-    return mask, positions, rotary
+    return mask
 
 
 _SDPA_TWINS: dict[int, tuple[Any, Any]] = {}

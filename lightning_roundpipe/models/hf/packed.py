@@ -59,8 +59,11 @@ def attention_kwargs(module: nn.Module, attention_mask: Tensor | None, tokens: i
     if not is_packed(attention_mask):
         return {}
     use_packed_attention(module)
-    if attention_mask.is_cuda:
-        _check_flash(module, attention_mask.device)
+    if attention_mask.is_cuda:  # once per replica, device and autocast setting: not per block call
+        key = (attention_mask.device, torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+        if module.__dict__.get("_roundpipe_flash_checked") != key:
+            _check_flash(module, attention_mask.device)
+            module.__dict__["_roundpipe_flash_checked"] = key
     return {
         "cu_seq_lens_q": attention_mask, "cu_seq_lens_k": attention_mask, "max_length_q": tokens,
         "max_length_k": tokens,
@@ -74,12 +77,7 @@ def use_packed_attention(module: nn.Module) -> None:
         return
     if "_roundpipe_replica" not in module.__dict__:
         raise RuntimeError("packed micro-batches run on the workers' replicas only, not on the user's modules")
-    if config._attn_implementation != "sdpa":
-        raise ValueError(
-            f"RoundPipeStrategy(split_by='packed') runs attention sequence by sequence in place of SDPA; this model"
-            f" uses attn_implementation={config._attn_implementation!r}. Load it with attn_implementation='sdpa'"
-            " or use split_by='auto'."
-        )
+    _check_implementation(config._attn_implementation)
     register()
     config.__dict__["_attn_implementation_internal"] = NAME  # the field itself: the setter rewrites sub-configs
 
@@ -179,10 +177,6 @@ def _find_varlen() -> tuple[Any, frozenset[str]]:
 _VARLEN, _VARLEN_TAKES = _find_varlen()
 
 
-def _varlen() -> Any:
-    return _VARLEN
-
-
 def _flash(
     varlen: Any, query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, longest: int, scale: float
 ) -> Tensor:
@@ -212,12 +206,7 @@ def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
     from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 
     what = "RoundPipeStrategy(split_by='packed')"
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in ("sdpa", NAME):
-        raise ValueError(
-            f"{what} runs attention sequence by sequence in place of SDPA; this model uses"
-            f" attn_implementation={implementation!r}. Load it with attn_implementation='sdpa' or use split_by='auto'."
-        )
+    _check_implementation(getattr(model.config, "_attn_implementation", None))
     known = (InputStage, DecoderStage, AttentionStage, MlpStage, OutputStage)
     if not all(isinstance(layer, known) for layer in layers):
         raise ValueError(f"{what} takes the architecture table's stages; this model takes the generic path")
@@ -227,3 +216,12 @@ def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
         raise ValueError(f"{what} does not take mixture-of-experts blocks; use split_by='auto'")
     if getattr(model.config, "attention_dropout", 0.0):
         raise ValueError(f"{what} runs attention without dropout; this model's attention_dropout is set")
+
+
+def _check_implementation(implementation: str | None) -> None:
+    if implementation not in ("sdpa", NAME):
+        raise ValueError(
+            "RoundPipeStrategy(split_by='packed') runs attention sequence by sequence in place of SDPA; this model"
+            f" uses attn_implementation={implementation!r}. Load it with attn_implementation='sdpa' or use"
+            " split_by='auto'."
+        )

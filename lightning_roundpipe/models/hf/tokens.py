@@ -67,13 +67,13 @@ class TokenSplit:
 
     def __call__(self, inputs: Inputs, target: Tensor, num: int) -> tuple[list[Inputs], list[Tensor]]:
         input_ids, attention_mask, position_ids, labels = inputs
-        if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
+        if not _by_tokens(inputs, target):
             return _by_samples(inputs, num)
         lengths = kept_lengths(attention_mask, labels)
-        packed = self._packs(inputs)
-        groups = self.groups(lengths.tolist(), num, packed)
+        listed, packed = lengths.tolist(), self._packs(inputs)
+        groups = self.groups(listed, num, packed)
         if packed:
-            rows_packed = [pack(input_ids, labels, lengths.tolist(), rows) for rows in groups]
+            rows_packed = [pack(input_ids, labels, listed, rows) for rows in groups]
             return rows_packed, [m[3] for m in rows_packed]  # type: ignore[misc]
         micro_inputs, micro_targets = [], []
         for rows in groups:
@@ -94,7 +94,7 @@ class TokenSplit:
         """What this batch's micro-batches would hold (input elements) at any count, without cutting it: the
         planner's padding at counts it has not run (``None``: a batch split by samples)."""
         _, attention_mask, _, labels = inputs
-        if attention_mask is None or attention_mask.dim() != 2 or target is not labels:
+        if not _by_tokens(inputs, target):
             return None
         lengths, packed = kept_lengths(attention_mask, labels).tolist(), self._packs(inputs)
         return functools.partial(self._elements, lengths, width=labels.shape[1], packed=packed)
@@ -144,7 +144,10 @@ class TokenSplit:
         total = 0.0  # the last run's cost, packed
         for r in order:
             alone = self.cost(1, lengths[r])
-            grown = total + alone if packed else self.cost(len(runs[-1]) + 1, lengths[runs[-1][0]]) if runs else 0.0
+            if packed:
+                grown = total + alone
+            elif runs:  # rows sorted longest first: the run's first row is its longest
+                grown = self.cost(len(runs[-1]) + 1, lengths[runs[-1][0]])
             if runs and grown <= cap:
                 runs[-1].append(r)
                 total = grown
@@ -157,6 +160,12 @@ class TokenSplit:
         if packed:
             return sum(self.cost(1, lengths[r]) for r in run)
         return self.cost(len(run), max(lengths[r] for r in run))
+
+
+def _by_tokens(inputs: Inputs, target: Tensor) -> bool:
+    """Whether a batch is cut by tokens: a 2-D padding mask, and the loss's target is the batch's labels."""
+    attention_mask, labels = inputs[1], inputs[3]
+    return attention_mask is not None and attention_mask.dim() == 2 and target is labels
 
 
 def _by_samples(inputs: Inputs, num: int) -> tuple[list[Inputs], list[Tensor]]:
