@@ -111,10 +111,13 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
         layers, how = hf.pipeline_layers(hf_model, options.split_decoder_layers, options.tile_tokens, options.hf_stages)
         rank_zero_info(f"roundpipe: {how}")
         check_covers_trainable(module, layers, f"the {type(hf.unwrap(hf_model)).__name__} stages' layers")
-        packed = options.split_by == "packed"
+        packed, model = options.split_by == "packed", hf.unwrap(hf_model)
         if packed:
-            hf.check_packable(hf.unwrap(hf_model), layers)
-        split = None if options.split_by == "samples" else hf.TokenSplit.for_model(hf.unwrap(hf_model), packed)
+            hf.check_packable(model, layers)
+            hf.require_flash(layers)
+        why = hf.packable(model, layers)  # a flattened batch's sequences are packed where the model takes it
+        unpackable = None if why is None else f"this model has {why}, which packed micro-batches do not take"
+        split = None if options.split_by == "samples" else hf.TokenSplit.for_model(model, packed, unpackable)
         return Pipelined(layers, hf_model=hf_model, split=split)
     if options.kernels == "liger":
         raise ValueError(

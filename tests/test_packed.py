@@ -171,7 +171,7 @@ def test_models_that_cannot_be_packed_are_refused_at_setup():
     moe.model = tiny_moe(aux=False)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         pipelined_layers(moe, options, cuda=False)
-    with pytest.raises(ValueError, match="the architecture table's stages"):
+    with pytest.raises(ValueError, match="other than the architecture table's"):
         pipelined_layers(LM(), RoundPipeOptions(split_by="packed", hf_stages="generic"), cuda=False)
     windowed = LM()
     windowed.model = tiny("qwen3")
@@ -181,7 +181,7 @@ def test_models_that_cannot_be_packed_are_refused_at_setup():
         pipelined_layers(windowed, options, cuda=False)
     dropout = LM()
     dropout.model.config.attention_dropout = 0.1
-    with pytest.raises(ValueError, match="without dropout"):
+    with pytest.raises(ValueError, match="attention dropout"):
         pipelined_layers(dropout, options, cuda=False)
     from helpers import BoringPipeline, boring_data
 
@@ -220,23 +220,40 @@ def test_packed_training_on_a_gpu_with_compiled_blocks_trains_like_plain_lightni
     batches, the micro-batches packed, and no block fell back to eager."""
     from lightning_roundpipe.runtime.compiles import compilations
 
-    class Module(LM):
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def run(strategy):
-        L.seed_everything(0, verbose=False)
-        module = Module()
-        L.Trainer(
-            strategy=strategy, accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=3, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        ).fit(module, batches(steps=3, longest=40))  # fmt: skip
-        return module.cpu()
-
-    plain = run("auto")
+    data = batches(steps=3, longest=40)
+    plain = train_on_a_gpu("auto", data)
     before = compilations()
-    ours = run(RoundPipeStrategy(async_optimizer=False, num_microbatches=3, split_by="packed"))
+    ours = train_on_a_gpu(RoundPipeStrategy(async_optimizer=False, num_microbatches=3, split_by="packed"), data)
     assert 0 < compilations() - before <= 4  # not one per length (3 steps, 9 micro-batches, all of new lengths)
     assert not [w for w in recwarn if "could not compile" in str(w.message)]
-    start = flat(Module())
+    start = flat(GpuLM())
     assert relative_error(flat(ours) - start, flat(plain) - start) <= 0.1
+
+
+class GpuLM(LM):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def train_on_a_gpu(strategy, data) -> GpuLM:
+    """Three steps under ``Trainer`` on one GPU, bf16-mixed; the module back on the host."""
+    L.seed_everything(0, verbose=False)
+    module = GpuLM()
+    L.Trainer(
+        strategy=strategy, accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, data)  # fmt: skip
+    return module.cpu()
+
+
+def test_where_the_flash_kernel_cannot_run_packed_asks_fail_and_flattened_batches_fall_back(monkeypatch):
+    """``split_by="packed"`` asked for the flash kernel: its first micro-batch says why it cannot run; under the
+    default a flattened batch's micro-batches run SDPA sequence by sequence instead, with one warning."""
+    monkeypatch.setattr(packed, "_why_not_flash", lambda module, device: "a reason")
+    module = torch.nn.Module()
+    assert packed._choose_flash(module, torch.device("cpu")) is False
+    packed.require_flash([module])
+    with pytest.raises(ValueError, match=r"split_by='packed'.*cannot run here: a reason"):
+        packed._choose_flash(module, torch.device("cpu"))
+    monkeypatch.setattr(packed, "_why_not_flash", lambda module, device: None)
+    assert packed._choose_flash(module, torch.device("cpu")) is True

@@ -20,7 +20,7 @@ from lightning_roundpipe.engine.steps import StepChain
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, Split, batch_size, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, microbatch_weights, samples_of, split_batch
 from lightning_roundpipe.schedule.build import batch_schedule
 from lightning_roundpipe.schedule.transfers import Overlap
 
@@ -75,7 +75,7 @@ class Evaluator:
             self.store.sync_compute()
         # a small batch (the last of a validation set) runs as fewer micro-batches, one round: nothing is
         # kept for backward, so the micro-batch count changes no number, only how the work is spread
-        size = batch_size(inputs, "the inputs")
+        size = samples_of(inputs, target, split if loss_fn is not None else None)
         plan, per_round, rounds = self.planner.plan, self.planner.microbatches_per_round, self.planner.num_rounds
         if size < per_round * rounds:
             per_round, rounds = size, 1

@@ -38,7 +38,7 @@ from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, Split, batch_size
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
 from lightning_roundpipe.runtime.workers import PipelineAborted
@@ -182,7 +182,7 @@ class PipelineEngine:
         self.steps.check_open()
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
-        batch = Batch(inputs, target, loss_fn, reduction, grad_scale, batch_size(inputs, "the inputs"), split)
+        batch = Batch(inputs, target, loss_fn, reduction, grad_scale, samples_of(inputs, target, split), split)
         if (plan := self.caches.next_plan(self.calls, batch.samples)) is not None:
             self.set_plan(plan)  # the allocators kept giving memory back: a smaller plan on trial, or the end of one
         # a padded batch's micro-batches at any count, for a planner that plans them (a fixed plan reads none)

@@ -55,6 +55,15 @@ def batch_size(tree: Any, what: str) -> int:
     return next(iter(sizes.values()))
 
 
+def samples_of(inputs: Any, target: Any, split: Split | None) -> int:
+    """A batch's samples: its rows (dim 0), or what ``split`` counts where it counts otherwise (a flattened
+    language-model batch's sequences, ``split.samples(inputs, target)``); the most micro-batches it makes."""
+    rows = batch_size(inputs, "the inputs")
+    counted = getattr(split, "samples", None)
+    sequences = counted(inputs, target) if counted is not None else None
+    return rows if sequences is None else sequences
+
+
 def split(tree: Any, num: int) -> list[Any]:
     """Split every tensor of ``tree`` into ``num`` dim-0 chunks whose sizes differ by at most one;
     other leaves are shared by all chunks."""

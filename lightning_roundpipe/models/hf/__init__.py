@@ -25,7 +25,7 @@ from lightning_roundpipe.models.hf.detect import is_hf_model, unwrap
 from lightning_roundpipe.models.hf.families import FAMILIES, Family
 from lightning_roundpipe.models.hf.interceptor import Interceptor
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX, counted_tokens, shift_labels
-from lightning_roundpipe.models.hf.packed import check_packable
+from lightning_roundpipe.models.hf.packed import check_packable, packable, require_flash
 from lightning_roundpipe.models.hf.presets import PATHS, PRESETS, build_layers, decoder_layers, pipeline_layers
 from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 from lightning_roundpipe.models.hf.state import State
@@ -51,8 +51,10 @@ __all__ = [
     "decoder_layers",
     "is_hf_model",
     "kernels",
+    "packable",
     "pipeline_layers",
     "plain_inputs",
+    "require_flash",
     "shift_labels",
     "unwrap",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,36 +39,95 @@ def is_packed(attention_mask: Tensor | None) -> bool:
     return attention_mask is not None and attention_mask.dim() == 1
 
 
-def pack(input_ids: Tensor, labels: Tensor, lengths: Sequence[int], rows: Sequence[int]) -> tuple[Tensor, ...]:
-    """Rows ``rows`` of a right-padded batch, each cut to its ``lengths[row]`` real tokens, in one row: the
-    inputs ``(ids, cumulative lengths, positions, labels)`` of a packed micro-batch."""
-    ids = torch.cat([input_ids[r, : lengths[r]] for r in rows])[None]
-    positions = torch.cat([torch.arange(lengths[r], device=input_ids.device) for r in rows])[None]
+Piece = tuple[int, int, int]
+"""One sequence of a batch: ``(row, first column, length)``."""
+
+
+def pack(
+    input_ids: Tensor, labels: Tensor, pieces: Sequence[Piece], positions: Tensor | None = None
+) -> tuple[Tensor, ...]:
+    """Sequences ``pieces`` of a batch in one row: the inputs ``(ids, cumulative lengths, positions, labels)`` of
+    a packed micro-batch. Positions are the batch's own where it has them (a flattened batch's), else each
+    sequence's ``0..n-1``."""
+    ids = torch.cat([input_ids[r, a : a + n] for r, a, n in pieces])[None]
+    if positions is None:
+        position_ids = torch.cat([torch.arange(n, device=input_ids.device) for _, _, n in pieces])[None]
+    else:
+        position_ids = torch.cat([positions[r, a : a + n] for r, a, n in pieces])[None]
     parts = []
-    for r in rows:
-        part = labels[r, : lengths[r]].clone()
+    for r, a, n in pieces:
+        part = labels[r, a : a + n].clone()
         part[0] = IGNORE_INDEX  # the previous sequence's last token does not predict this one
         parts.append(part)
-    bounds = torch.tensor([0, *itertools.accumulate(lengths[r] for r in rows)], dtype=torch.int32)
-    return ids, bounds.to(input_ids.device), positions, torch.cat(parts)[None]
+    bounds = torch.tensor([0, *itertools.accumulate(n for _, _, n in pieces)], dtype=torch.int32)
+    return ids, bounds.to(input_ids.device), position_ids, torch.cat(parts)[None]
+
+
+def sequences(position_ids: Tensor) -> list[Piece]:
+    """The sequences of a flattened batch (transformers' ``DataCollatorWithFlattening``): one starts where a
+    position does not follow the one before it by one, as transformers' own mask functions read them."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    width = position_ids.shape[1]
+    pieces = []
+    for row in range(starts.shape[0]):
+        first = starts[row].nonzero().flatten().tolist()
+        pieces += [(row, a, b - a) for a, b in zip(first, [*first[1:], width])]
+    return pieces
 
 
 def attention_kwargs(module: nn.Module, attention_mask: Tensor | None, tokens: int) -> dict[str, Any]:
     """What a decoder block is called with besides its usual arguments: for a packed micro-batch, transformers'
-    variable-length keywords (its flash attention's names), with ``module``'s replica pointed at :data:`NAME`;
-    nothing otherwise. ``tokens``: the row's length, the bound given for the longest sequence (no host sync)."""
+    variable-length keywords (its flash attention's names) and whether torch's flash kernel runs it
+    (``roundpipe_flash``: decided here, eagerly, not inside a compiled block), with ``module``'s replica pointed
+    at :data:`NAME`; nothing otherwise. ``tokens``: the row's length, the bound given for the longest sequence
+    (no host sync)."""
     if not is_packed(attention_mask):
         return {}
     use_packed_attention(module)
+    flash = False
     if attention_mask.is_cuda:  # once per replica, device and autocast setting: not per block call
         key = (attention_mask.device, torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
-        if module.__dict__.get("_roundpipe_flash_checked") != key:
-            _check_flash(module, attention_mask.device)
-            module.__dict__["_roundpipe_flash_checked"] = key
+        checked = module.__dict__.get("_roundpipe_flash")
+        if checked is None or checked[0] != key:
+            checked = module.__dict__["_roundpipe_flash"] = (key, _choose_flash(module, attention_mask.device))
+        flash = checked[1]
     return {
         "cu_seq_lens_q": attention_mask, "cu_seq_lens_k": attention_mask, "max_length_q": tokens,
-        "max_length_k": tokens,
+        "max_length_k": tokens, "roundpipe_flash": flash,
     }  # fmt: skip
+
+
+REQUIRED = "_roundpipe_flash_required"
+"""Set on a stage (``RoundPipeStrategy(split_by="packed")``): a packed micro-batch on CUDA runs torch's flash kernel
+or fails with why; otherwise (a flattened batch under ``"auto"``) it falls back to SDPA sequence by sequence."""
+
+
+def require_flash(layers: Sequence[nn.Module]) -> None:
+    """``split_by="packed"`` asked for the flash kernel: where it cannot run, the first packed micro-batch says why."""
+    for layer in layers:
+        layer.__dict__[REQUIRED] = True
+
+
+def _choose_flash(module: nn.Module, device: torch.device) -> bool:
+    why = _why_not_flash(module, device)
+    if why is None:
+        return True
+    if module.__dict__.get(REQUIRED):
+        raise ValueError(
+            f"RoundPipeStrategy(split_by='packed') runs attention on CUDA through torch's variable-length flash"
+            f" kernel, which cannot run here: {why}. Use split_by='auto'."
+        )
+    _warn_once(
+        f"roundpipe: flattened batches' micro-batches run attention sequence by sequence through SDPA with a mask:"
+        f" torch's variable-length flash kernel cannot run here ({why})"
+    )
+    return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=2)
 
 
 def use_packed_attention(module: nn.Module) -> None:
@@ -82,10 +142,10 @@ def use_packed_attention(module: nn.Module) -> None:
     config.__dict__["_attn_implementation_internal"] = NAME  # the field itself: the setter rewrites sub-configs
 
 
-def _check_flash(module: nn.Module, device: torch.device) -> None:
-    """On CUDA a packed micro-batch runs torch's flash kernel only: a clear error where it cannot (no
+def _why_not_flash(module: nn.Module, device: torch.device) -> str | None:
+    """Why torch's flash kernel cannot run a packed micro-batch on this CUDA device (``None``: it can): no
     ``torch.nn.attention.varlen``, a card before sm80, a head size it does not take, attention not in half
-    precision) instead of a failure inside a compiled block."""
+    precision, or a scale this torch's kernel does not take."""
     config = module.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     weight = next((p for p in module.parameters() if p.is_floating_point()), None)
@@ -94,7 +154,7 @@ def _check_flash(module: nn.Module, device: torch.device) -> None:
     )
     scaling = next((m.scaling for m in module.modules() if isinstance(getattr(m, "scaling", None), float)), None)
     unscaled = "scale" not in _VARLEN_TAKES and scaling is not None and abs(scaling - head_dim**-0.5) > 1e-9
-    why = (
+    return (
         "this torch has no torch.nn.attention.varlen" if _VARLEN is None
         else f"this torch's varlen_attn takes no scale, and the model's is {scaling:g}" if unscaled
         else f"{device} is older than sm80" if _capability(device) < (8, 0)
@@ -102,11 +162,6 @@ def _check_flash(module: nn.Module, device: torch.device) -> None:
         else "attention would run in float32 (precision='bf16-mixed', '16-mixed' or a half-precision model runs it"
         " in half precision)" if not half else None
     )  # fmt: skip
-    if why is not None:
-        raise ValueError(
-            f"RoundPipeStrategy(split_by='packed') runs attention on CUDA through torch's variable-length flash"
-            f" kernel, which cannot run here: {why}. Use split_by='auto'."
-        )
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -146,7 +201,7 @@ def attention(
     if query.shape[0] != 1:
         raise ValueError(f"a packed micro-batch is one row, not {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.is_cuda:  # `attention_kwargs` checked that the flash kernel runs here
+    if kwargs.get("roundpipe_flash"):  # `attention_kwargs` checked that the flash kernel runs here
         out = _flash(_VARLEN, query[0], key[0], value[0], bounds, kwargs["max_length_q"], scale)  # a SymInt compiled
     else:
         out = _by_sequence(query[0], key[0], value[0], bounds, scale)
@@ -199,23 +254,34 @@ def _flash(
     return varlen(q.contiguous(), k.contiguous(), v.contiguous(), bounds, bounds, longest, longest, **options)
 
 
-def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
-    """A clear error at setup for a model whose micro-batches cannot be packed: attention other than SDPA, stages
-    other than the architecture table's (the generic path runs the model's own masks), sliding windows or experts
-    (their router sums read the padding mask)."""
+def packable(model: nn.Module, layers: Sequence[nn.Module]) -> str | None:
+    """Why a model's micro-batches cannot be packed (``None``: they can): attention other than SDPA, stages other
+    than the architecture table's (the generic path runs the model's own masks), sliding windows or experts
+    (their router sums read the padding mask), attention dropout."""
     from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 
-    what = "RoundPipeStrategy(split_by='packed')"
-    _check_implementation(getattr(model.config, "_attn_implementation", None))
+    implementation = getattr(model.config, "_attn_implementation", None)
     known = (InputStage, DecoderStage, AttentionStage, MlpStage, OutputStage)
-    if not all(isinstance(layer, known) for layer in layers):
-        raise ValueError(f"{what} takes the architecture table's stages; this model takes the generic path")
-    if any(getattr(layer, "sliding", False) for layer in layers):
-        raise ValueError(f"{what} does not take sliding-window attention; use split_by='auto'")
-    if any(getattr(layer, "router", None) for layer in layers):
-        raise ValueError(f"{what} does not take mixture-of-experts blocks; use split_by='auto'")
-    if getattr(model.config, "attention_dropout", 0.0):
-        raise ValueError(f"{what} runs attention without dropout; this model's attention_dropout is set")
+    return (
+        f"attention other than SDPA (attn_implementation={implementation!r}: load it with"
+        " attn_implementation='sdpa')" if implementation not in ("sdpa", NAME)
+        else "stages other than the architecture table's (it takes the generic path)"
+        if not all(isinstance(layer, known) for layer in layers)
+        else "sliding-window attention" if any(getattr(layer, "sliding", False) for layer in layers)
+        else "mixture-of-experts blocks" if any(getattr(layer, "router", None) for layer in layers)
+        else "attention dropout (its attention_dropout is set)" if getattr(model.config, "attention_dropout", 0.0)
+        else None
+    )  # fmt: skip
+
+
+def check_packable(model: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """A clear error at setup for ``split_by="packed"`` on a model whose micro-batches cannot be packed."""
+    why = packable(model, layers)
+    if why is not None:
+        raise ValueError(
+            f"RoundPipeStrategy(split_by='packed') cannot pack this model's micro-batches: it has {why}. Use"
+            " split_by='auto'."
+        )
 
 
 def _check_implementation(implementation: str | None) -> None:

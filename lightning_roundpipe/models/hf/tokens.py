@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,29 +29,35 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.models.hf.attention import plain_inputs
 from lightning_roundpipe.models.hf.labels import IGNORE_INDEX
-from lightning_roundpipe.models.hf.packed import pack
+from lightning_roundpipe.models.hf.packed import Piece, pack, sequences
 
 Inputs = tuple[Tensor, Tensor | None, Tensor | None, Tensor]
 
 
 class TokenSplit:
     """``split(inputs, target, num)``: the ``(inputs, targets)`` of ``num`` micro-batches by tokens (see the
-    module docstring); the engine calls it in place of its split by samples. A batch without a padding mask
-    (rows all full, or packed) is split by samples."""
+    module docstring); the engine calls it in place of its split by samples. A flattened batch (transformers'
+    ``DataCollatorWithFlattening``: sequences end to end in a row, positions restarting, no padding mask) is cut
+    between its sequences into packed micro-batches where the model can run them; any other batch without a
+    padding mask (rows all full) is split by samples."""
 
     width_multiple = 1
     """Each micro-batch's width rounded up to a multiple of this (capped at the batch's): shapes then repeat from
     batch to batch (cuDNN's attention builds a graph per new shape); the added columns are trailing padding."""
 
-    def __init__(self, span: float = math.inf, packed: bool = False) -> None:
+    def __init__(self, span: float = math.inf, packed: bool = False, unpackable: str | None = None) -> None:
         self.span = span
         """Tokens at which attention costs as much as the rest of a layer, per token (``inf``: never)."""
         self.packed = packed
         """Each micro-batch's sequences end to end in one row, unpadded (:mod:`.packed`), where the batch is
         right-padded with no label on its padding; a group then costs the sum of its rows' costs."""
+        self.unpackable = unpackable
+        """Why the model's micro-batches cannot be packed (``None``: they can): a flattened batch then runs
+        as its rows, with transformers' mask over each whole row."""
+        self._warned: set[str] = set()
 
     @classmethod
-    def for_model(cls, model: nn.Module, packed: bool = False) -> TokenSplit:
+    def for_model(cls, model: nn.Module, packed: bool = False, unpackable: str | None = None) -> TokenSplit:
         """The split for a causal LM: ``span`` is a decoder block's parameters over the model's hidden size (its
         base model's largest ``ModuleList``; all experts counted for a mixture: attention then weighs a little
         less); without them, lengths alone."""
@@ -58,9 +65,9 @@ class TokenSplit:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         lists = [m for m in base.children() if isinstance(m, nn.ModuleList) and len(m)] if base is not None else []
         if not lists or not hidden:
-            return cls(packed=packed)
+            return cls(packed=packed, unpackable=unpackable)
         blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-        return cls(sum(p.numel() for p in blocks[0].parameters()) / hidden, packed)
+        return cls(sum(p.numel() for p in blocks[0].parameters()) / hidden, packed, unpackable)
 
     def cost(self, rows: int, length: int) -> float:
         return rows * length * (1.0 + length / self.span)
@@ -68,13 +75,15 @@ class TokenSplit:
     def __call__(self, inputs: Inputs, target: Tensor, num: int) -> tuple[list[Inputs], list[Tensor]]:
         input_ids, attention_mask, position_ids, labels = inputs
         if not _by_tokens(inputs, target):
-            return _by_samples(inputs, num)
+            pieces = self._flattened(inputs, target)
+            if pieces is None:
+                return _by_samples(inputs, num)
+            return self._packed(input_ids, labels, pieces, num, position_ids)
         lengths = kept_lengths(attention_mask, labels)
-        listed, packed = lengths.tolist(), self._packs(inputs)
-        groups = self.groups(listed, num, packed)
-        if packed:
-            rows_packed = [pack(input_ids, labels, listed, rows) for rows in groups]
-            return rows_packed, [m[3] for m in rows_packed]  # type: ignore[misc]
+        listed = lengths.tolist()
+        if self._packs(inputs):
+            return self._packed(input_ids, labels, [(r, 0, n) for r, n in enumerate(listed)], num)
+        groups = self.groups(listed, num)
         micro_inputs, micro_targets = [], []
         for rows in groups:
             index = torch.tensor(rows, dtype=torch.long)
@@ -90,12 +99,27 @@ class TokenSplit:
             micro_targets.append(micro_labels)
         return micro_inputs, micro_targets
 
+    def _packed(
+        self, input_ids: Tensor, labels: Tensor, pieces: list[Piece], num: int, positions: Tensor | None = None
+    ) -> tuple[list[Inputs], list[Tensor]]:
+        groups = self.groups([n for _, _, n in pieces], num, packed=True)
+        micro = [pack(input_ids, labels, [pieces[i] for i in group], positions) for group in groups]
+        return micro, [m[3] for m in micro]  # type: ignore[misc]
+
+    def samples(self, inputs: Inputs, target: Tensor) -> int | None:
+        """A flattened batch's sequences, which the engine counts as its samples (``None``: its rows are)."""
+        pieces = self._flattened(inputs, target)
+        return None if pieces is None else len(pieces)
+
     def sizes(self, inputs: Inputs, target: Tensor) -> Callable[[int], list[int]] | None:
         """What this batch's micro-batches would hold (input elements) at any count, without cutting it: the
         planner's padding at counts it has not run (``None``: a batch split by samples)."""
         _, attention_mask, _, labels = inputs
         if not _by_tokens(inputs, target):
-            return None
+            pieces = self._flattened(inputs, target)
+            if pieces is None:
+                return None
+            return functools.partial(self._elements, [n for _, _, n in pieces], width=0, packed=True)
         lengths, packed = kept_lengths(attention_mask, labels).tolist(), self._packs(inputs)
         return functools.partial(self._elements, lengths, width=labels.shape[1], packed=packed)
 
@@ -104,6 +128,35 @@ class TokenSplit:
         if packed:
             return [sum(lengths[r] for r in rows) for rows in groups]
         return [len(rows) * self._width(max(lengths[r] for r in rows), width) for rows in groups]
+
+    def _flattened(self, inputs: Inputs, target: Tensor) -> list[Piece] | None:
+        """A flattened batch's sequences, where it is one (rows holding several sequences, told by positions
+        that restart, and no padding mask: transformers' mask functions read such rows the same way) and its
+        micro-batches can be packed; ``None`` otherwise. Cut between two sequences, the first token of the
+        second loses the previous token's prediction of it: exact where that label is -100 (the collator's
+        default separator) and nothing is cut otherwise."""
+        input_ids, attention_mask, position_ids, labels = inputs
+        if attention_mask is not None or position_ids is None or target is not labels:
+            return None
+        if position_ids.shape != input_ids.shape or labels.shape != input_ids.shape:
+            return None
+        pieces = sequences(position_ids)
+        if len(pieces) == input_ids.shape[0]:
+            return None  # a sequence per row: the rows are the samples
+        why = self.unpackable
+        if why is None and any(int(labels[r, a]) != IGNORE_INDEX for r, a, _ in pieces if a > 0):
+            why = "a sequence's first token has a label (the collator's separator_id=-100 gives it none)"
+        if why is not None:
+            if why not in self._warned:
+                self._warned.add(why)
+                warnings.warn(
+                    f"roundpipe: a flattened batch (several sequences in a row, positions restarting) is not cut"
+                    f" between its sequences: {why}. Each row runs as one micro-batch, with transformers' mask"
+                    " over the whole row.",
+                    stacklevel=2,
+                )
+            return None
+        return pieces
 
     def _packs(self, inputs: Inputs) -> bool:
         """Whether this batch's micro-batches are packed: asked for, right padding without labels on it, and
