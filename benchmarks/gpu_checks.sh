@@ -28,7 +28,8 @@
 #        varlen varlen-24gib (issue 39: instruction-like lengths 256..4096, 8 and 32 sequences a step, per-batch padding;
 #        plain with Liger, with compiled blocks, packed; roundpipe's defaults) varlen-default (roundpipe's alone) varlen-expandable
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
-#        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed (32 a step, packed)
+#        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed varlen-packed-24gib
+#        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
@@ -233,13 +234,18 @@ for step in "${steps[@]}"; do
       run varlen-32-plain-packed 340 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
         --configs plain-compile-packed,plain-liger-packed --warmup 6 --steps 4 --config-timeout 165 \
         --out "$OUT/varlen-32-plain-packed.json" ;;
-    varlen-packed)  # issue 39: split_by="packed" (torch's varlen flash attention, no padding) against the default,
-      # 32 a step on the full card, then 24 GiB; its GPU tests first. About 450 s
-      run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py
-      run varlen-32-packed 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
-        --configs newcomer,newcomer-packed --warmup 8 --steps 4 --config-timeout 140 --out "$OUT/varlen-32-packed.json"
-      run varlen-32-24gib-packed 160 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
-        --configs newcomer-packed --warmup 10 --steps 4 --config-timeout 150 --out "$OUT/varlen-32-24gib-packed.json" ;;
+    varlen-packed)  # issue 39: split_by="packed" (torch's varlen flash attention, no padding) and the default fed
+      # transformers' flattened rows, against the default on padded batches, 32 a step on the full card; the GPU
+      # tests of both first. About 420 s. (Its first run, 2026-12-03, fed newcomer-packed flattened rows by mistake.)
+      run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py \
+        tests/test_flattened.py
+      run varlen-32-packed 440 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 \
+        --configs newcomer,newcomer-packed,newcomer-flattened --warmup 8 --steps 4 --config-timeout 140 \
+        --out "$OUT/varlen-32-packed.json" ;;
+    varlen-packed-24gib)  # issue 39: the same at 24 GiB, packed and flattened (about 300 s)
+      run varlen-32-24gib-packed 320 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer-packed,newcomer-flattened --warmup 10 --steps 4 --config-timeout 150 \
+        --out "$OUT/varlen-32-24gib-packed.json" ;;
     liger-profile)  # issue 41: plain with Liger ran 21,444 at 4 sequences a micro-batch and 29,227 at 8, plain with
       # compiled blocks 35,086 and 35,170 (2026-12-03, fourteenth): one profiled step of each, by kernel kind. About 300 s
       run liger-profile-mb4 200 python benchmarks/lightning_user.py --configs plain-liger,plain-compile --micro-batch 4 \

@@ -18,7 +18,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   of the architecture table's stages: what a model without an entry gets);
 - ``newcomer-chunked``: the defaults, but the output stage's chunked loss instead of Liger's fused one;
 - ``newcomer-packed`` (``--varlen``): ``RoundPipeStrategy(split_by="packed")`` (each micro-batch's sequences in
-  one row without padding, torch's variable-length flash attention);
+  one row without padding, torch's variable-length flash attention), fed the padded batches;
+- ``newcomer-flattened`` (``--varlen``): every default, fed the flattened batches of plain's ``-packed``
+  configurations (``DataCollatorWithFlattening``), which roundpipe cuts between sequences into packed micro-batches;
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
   ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
   micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
@@ -364,9 +366,8 @@ def strategy_for(
         return "auto", True
     if config.startswith(("zero2-offload", "zero3-offload")):
         return deepspeed_strategy(int(config[4]), capped), False
-    if config in ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash") or config.startswith(
-        "newcomer-width"
-    ):
+    same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
+    if config in same or config.startswith("newcomer-width"):
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
@@ -391,8 +392,8 @@ def strategy_for(
         return RoundPipeStrategy(num_microbatches=int(count), gpu_memory=float(share or 0.8)), True
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
-        " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-cudnn, newcomer-flash, newcomer-widthN,"
-        " newcomer-db, newcomer-gmFRACTION, newcomer-split,"
+        " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
+        " newcomer-widthN, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -424,8 +425,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     deepspeed = args.run.startswith("zero")
     plain = args.run.startswith("plain") or deepspeed  # the model on the card: checkpointing, micro-batches
     kernels = args.run.removesuffix("-packed").rsplit("-", 1)[-1]  # liger, compile, or neither
-    if args.run.endswith("-packed") and not args.varlen:
+    if args.run.endswith(("-packed", "-flattened")) and not args.varlen:
         raise ValueError(f"{args.run} packs variable-length sequences: give --varlen MIN,MAX")
+    # transformers' flattened rows for plain's -packed and newcomer-flattened; newcomer-packed packs padded batches
+    flattening = args.run == "newcomer-flattened" or (plain and args.run.endswith("-packed"))
     if deepspeed and kernels not in ("liger", "compile"):
         raise ValueError(f"{args.run}: name its kernels as plain's, zero2-offload-liger or zero2-offload-compile")
     if kernels == "liger" and plain:  # as Liger's README says: patch transformers' Qwen3 before building the model
@@ -450,7 +453,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     accumulate = args.seqs // per_batch
     if args.varlen:  # per-batch padding, or (-packed) one row of the batch's sequences without padding
         shortest, longest = (int(n) for n in args.varlen.split(","))
-        collate = flatten if args.run.endswith("-packed") else pad
+        collate = flatten if flattening else pad
         data = DataLoader(Instructions(vocab, args.seqs * steps, shortest, longest), batch_size=per_batch,
                           collate_fn=collate)  # fmt: skip
     else:
