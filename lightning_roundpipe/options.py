@@ -105,7 +105,9 @@ class RoundPipeOptions:
     split_by: str = "auto"
     """How a batch is cut into micro-batches: ``"auto"`` cuts a Hugging Face model's padded batches by tokens
     (rows of similar lengths together, each micro-batch trimmed to its longest row, their costs balanced:
-    :mod:`~lightning_roundpipe.models.hf.tokens`) and anything else by samples; ``"tokens"`` asks for that
+    :mod:`~lightning_roundpipe.models.hf.tokens`), a flattened one (``DataCollatorWithFlattening``'s rows) between
+    its sequences into packed micro-batches as ``"packed"`` below, where the model takes packing, and anything
+    else by samples; ``"tokens"`` asks for that
     (an ``nn.Sequential`` is refused: its inputs are not token batches); ``"packed"`` also lays each
     micro-batch's sequences end to end in one row without padding, attention kept within each sequence (torch's
     variable-length flash attention on CUDA: :mod:`~lightning_roundpipe.models.hf.packed`; a model of the

@@ -61,8 +61,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
-        split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's), ``"packed"`` (by tokens,
-            each micro-batch's sequences in one row without padding) or ``"samples"``.
+        split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's; a flattened one's between
+            its sequences, packed), ``"packed"`` (by tokens, each micro-batch's sequences in one row without
+            padding) or ``"samples"``.
         hf_stages: a Hugging Face model's stages: ``"auto"`` (the table's, else generic), ``"generic"``, ``"table"``.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
         compile: ``torch.compile`` of the layers: ``"auto"`` (HF blocks on CUDA), ``True``, ``False`` or its kwargs.

@@ -20,20 +20,21 @@ from lightning_roundpipe.models.hf import packed  # noqa: E402
 from lightning_roundpipe.models.hf.tokens import TokenSplit  # noqa: E402
 
 
-def flattened(batch: dict[str, torch.Tensor], separator: int = -100) -> dict[str, torch.Tensor]:
+def flattened(batch: dict[str, torch.Tensor], separator: int = -100, **options) -> dict[str, torch.Tensor]:
     """A padded batch's sequences through transformers' flattening collator, as a user's data loader makes them."""
     items = []
     for r in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][r].sum())
         items.append({"input_ids": batch["input_ids"][r, :n].tolist(), "labels": batch["labels"][r, :n].tolist()})
-    return transformers.DataCollatorWithFlattening(return_position_ids=True, separator_id=separator)(items)
+    collate = transformers.DataCollatorWithFlattening(return_position_ids=True, separator_id=separator, **options)
+    return collate(items)
 
 
-def flat_batches(steps: int = 4, rows: int = 8, separator: int = -100) -> DataLoader:
+def flat_batches(steps: int = 4, rows: int = 8, separator: int = -100, **options) -> DataLoader:
     """``use_cache=False`` in each batch: with a cache (the config's default), transformers stops reading
     restarting positions as separate sequences, and plain training attends across them (roundpipe trains
     without a cache, so its result is the same either way)."""
-    data = [dict(flattened(instruction_batch(rows, seed=s), separator), use_cache=False) for s in range(steps)]
+    data = [dict(flattened(instruction_batch(rows, s), separator, **options), use_cache=False) for s in range(steps)]
     return DataLoader(data, batch_size=None)
 
 
@@ -106,6 +107,19 @@ def test_training_on_flattened_batches_with_every_default_equals_plain_lightning
     assert torch.isfinite(trainer.callback_metrics["val_loss"])
     rows = [m for micro, _ in seen for m in micro]
     assert len(rows) >= 16 and all(m[0].shape[0] == 1 and packed.is_packed(m[1]) for m in rows)
+
+
+def test_the_collator_s_flash_keywords_are_taken_and_without_positions_explained():
+    """``return_flash_attn_kwargs=True`` adds the sequences' bounds (plain transformers takes them): they say what
+    the positions say, and are dropped; without the positions the error names what to keep."""
+    data = flat_batches(steps=2, return_flash_attn_kwargs=True, return_seq_idx=True)
+    assert {"cu_seq_lens_q", "seq_idx"} <= set(next(iter(data)))
+    plain, _ = fit("auto", 1, data)
+    ours, _ = fit(RoundPipeStrategy(num_microbatches=2, async_optimizer=False), 2, data)
+    assert relative_error(flat(ours), flat(plain)) <= 1e-5
+    bare = [{k: v for k, v in b.items() if k != "position_ids"} for b in data]
+    with pytest.raises(ValueError, match="keep the collator's return_position_ids=True"):
+        fit(RoundPipeStrategy(num_microbatches=2), 2, DataLoader(bare, batch_size=None))
 
 
 @pytest.mark.timeout(120)

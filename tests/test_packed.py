@@ -257,3 +257,20 @@ def test_where_the_flash_kernel_cannot_run_packed_asks_fail_and_flattened_batche
         packed._choose_flash(module, torch.device("cpu"))
     monkeypatch.setattr(packed, "_why_not_flash", lambda module, device: None)
     assert packed._choose_flash(module, torch.device("cpu")) is True
+
+
+def test_the_masked_fallback_calls_sdpa_as_its_fused_cuda_kernels_take_it(monkeypatch):
+    """Where the flash kernel cannot run on CUDA, a packed micro-batch takes SDPA with a mask: four-dimensional
+    inputs, keys repeated for grouped queries, no ``enable_gqa`` (3-D inputs or the flag with a mask leave only
+    SDPA's math kernel, every score in float32)."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, mask=None, **kwargs):
+        calls.append((q.dim(), k.shape[1], mask.dim(), sorted(kwargs)))
+        return sdpa(q, k, v, mask, **kwargs)
+
+    monkeypatch.setattr(packed.F, "scaled_dot_product_attention", spy)
+    q, k = torch.randn(4, 9, 8), torch.randn(2, 9, 8)
+    packed._by_sequence(q, k, k, torch.tensor([0, 4, 9], dtype=torch.int32), 0.3)
+    assert calls == [(4, 4, 4, ["scale"])]

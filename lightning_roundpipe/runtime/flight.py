@@ -71,7 +71,7 @@ class Flight:
         microbatch_elements: list[int] | None = None,
     ) -> None:
         self.call = call
-        self.samples = samples  # the batch's dim-0 size (what its micro-batches split)
+        self.samples = samples  # the batch's samples: its dim-0 size, or a flattened batch's sequences
         self.sample_elements = sample_elements  # input elements per sample (tokens, for a language model)
         self.microbatch_elements = microbatch_elements or []  # as split (a language model's differ in size)
         self.step = step

@@ -11,6 +11,10 @@ from torch import Tensor, nn
 from lightning_roundpipe.models.hf.attention import plain_inputs
 from lightning_roundpipe.models.hf.detect import unwrap
 
+FLATTENING_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""What ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` or ``return_seq_idx=True`` adds next to the
+position ids: the same sequences again (transformers' own SDPA path reads them from the positions too)."""
+
 
 class Interceptor:
     """Routes the Hugging Face model's ``forward`` through the pipeline during training steps.
@@ -55,10 +59,19 @@ class Interceptor:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"`{key}` cannot be used while training through roundpipe")
         kwargs = {k: v for k, v in kwargs.items() if v is not None and v is not False and k != "return_dict"}
+        if position_ids is not None:  # the flattening collator's flash keywords say what the positions say
+            for key in FLATTENING_KEYWORDS:
+                kwargs.pop(key, None)
         if kwargs:
+            hint = (
+                " (a flattened batch's sequences are read from its position ids: keep the collator's"
+                " return_position_ids=True)"
+                if set(kwargs) & set(FLATTENING_KEYWORDS)
+                else ""
+            )
             raise ValueError(
                 f"roundpipe's {type(self.model).__name__} preset takes input_ids, attention_mask, position_ids and"
-                f" labels; got also {sorted(kwargs)}"
+                f" labels; got also {sorted(kwargs)}{hint}"
             )
         if input_ids is None:
             raise ValueError("roundpipe needs `input_ids` (inputs_embeds are not supported)")

@@ -119,8 +119,8 @@ def _choose_flash(module: nn.Module, device: torch.device) -> bool:
             f" kernel, which cannot run here: {why}. Use split_by='auto'."
         )
     _warn_once(
-        f"roundpipe: flattened batches' micro-batches run attention sequence by sequence through SDPA with a mask:"
-        f" torch's variable-length flash kernel cannot run here ({why})"
+        f"roundpipe: flattened batches' micro-batches run attention through SDPA with a mask per micro-batch (memory"
+        f" growing with the square of its tokens): torch's variable-length flash kernel cannot run here ({why})"
     )
     return False
 
@@ -210,12 +210,16 @@ def attention(
 
 def _by_sequence(query: Tensor, key: Tensor, value: Tensor, bounds: Tensor, scale: float) -> Tensor:
     """``(heads, tokens, dim)`` in, ``(tokens, heads, dim)`` out: SDPA with a causal mask within each sequence
-    (made on the device from the boundaries: no host sync, one graph whatever the sequences)."""
+    (made on the device from the boundaries: no host sync, one graph whatever the sequences). Four-dimensional,
+    with keys and values repeated for grouped queries, as transformers calls it: SDPA's CUDA kernels that take a
+    mask refuse 3-D inputs and a mask with ``enable_gqa``, and its math kernel holds every score in float32."""
     tokens = torch.arange(query.shape[1], device=query.device)
     sequence = torch.searchsorted(bounds[1:].to(tokens.dtype), tokens, right=True)
     mask = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
-    gqa = query.shape[0] != key.shape[0]
-    return F.scaled_dot_product_attention(query, key, value, mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
+    if key.shape[0] != query.shape[0]:
+        key, value = (t.repeat_interleave(query.shape[0] // key.shape[0], dim=0) for t in (key, value))
+    out = F.scaled_dot_product_attention(query[None], key[None], value[None], mask[None, None], scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def _find_varlen() -> tuple[Any, frozenset[str]]:

@@ -55,6 +55,7 @@ class TokenSplit:
         """Why the model's micro-batches cannot be packed (``None``: they can): a flattened batch then runs
         as its rows, with transformers' mask over each whole row."""
         self._warned: set[str] = set()
+        self._last: tuple[Tensor, Tensor, list[Piece] | None] | None = None
 
     @classmethod
     def for_model(cls, model: nn.Module, packed: bool = False, unpackable: str | None = None) -> TokenSplit:
@@ -134,17 +135,26 @@ class TokenSplit:
         that restart, and no padding mask: transformers' mask functions read such rows the same way) and its
         micro-batches can be packed; ``None`` otherwise. Cut between two sequences, the first token of the
         second loses the previous token's prediction of it: exact where that label is -100 (the collator's
-        default separator) and nothing is cut otherwise."""
+        default separator) and nothing is cut otherwise. Read once per batch (the engine asks three times)."""
         input_ids, attention_mask, position_ids, labels = inputs
         if attention_mask is not None or position_ids is None or target is not labels:
             return None
+        last = self._last
+        if last is not None and last[0] is position_ids and last[1] is labels:
+            return last[2]
+        pieces = self._read_flattened(input_ids, position_ids, labels)
+        self._last = (position_ids, labels, pieces)
+        return pieces
+
+    def _read_flattened(self, input_ids: Tensor, position_ids: Tensor, labels: Tensor) -> list[Piece] | None:
         if position_ids.shape != input_ids.shape or labels.shape != input_ids.shape:
             return None
         pieces = sequences(position_ids)
         if len(pieces) == input_ids.shape[0]:
             return None  # a sequence per row: the rows are the samples
         why = self.unpackable
-        if why is None and any(int(labels[r, a]) != IGNORE_INDEX for r, a, _ in pieces if a > 0):
+        cut = [(r, a) for r, a, _ in pieces if a > 0]
+        if why is None and cut and bool((labels[[r for r, _ in cut], [a for _, a in cut]] != IGNORE_INDEX).any()):
             why = "a sequence's first token has a label (the collator's separator_id=-100 gives it none)"
         if why is not None:
             if why not in self._warned:
@@ -153,7 +163,7 @@ class TokenSplit:
                     f"roundpipe: a flattened batch (several sequences in a row, positions restarting) is not cut"
                     f" between its sequences: {why}. Each row runs as one micro-batch, with transformers' mask"
                     " over the whole row.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return None
         return pieces
