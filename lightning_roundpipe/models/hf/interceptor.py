@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,9 @@ class Interceptor:
         self._evaluating = evaluating
         self._warned_cache = False
         self._original = self.model.forward
+        # token type ids, which tokenizers of some families return: a model whose forward does not name them
+        # passes them down as keywords its layers ignore, and so do we
+        self._ignores_token_types = "token_type_ids" not in inspect.signature(self._original).parameters
         self.model.forward = self  # an instance attribute: nn.Module.__call__ finds it first
 
     def __call__(
@@ -59,6 +63,8 @@ class Interceptor:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"`{key}` cannot be used while training through roundpipe")
         kwargs = {k: v for k, v in kwargs.items() if v is not None and v is not False and k != "return_dict"}
+        if self._ignores_token_types:
+            kwargs.pop("token_type_ids", None)
         if position_ids is not None:  # the flattening collator's flash keywords say what the positions say
             for key in FLATTENING_KEYWORDS:
                 kwargs.pop(key, None)
