@@ -1,5 +1,6 @@
 """Packed micro-batches: a micro-batch's sequences laid end to end in one row, with no padding, and attention
-that keeps each sequence to itself (``RoundPipeStrategy(split_by="packed")``).
+that keeps each sequence to itself (``RoundPipeStrategy(split_by="packed")``, and a flattened batch's
+micro-batches with every default: :class:`~lightning_roundpipe.models.hf.tokens.TokenSplit`).
 
 Cut by tokens (:mod:`.tokens`), a micro-batch still pads its rows to its longest one, and every new (rows,
 length) shape is one more shape for the attention kernels (cuDNN's builds a graph per shape) and for compiled
@@ -9,7 +10,8 @@ first label of each sequence is -100 (the sequence before it does not predict it
 predicted it either: the loss has the same terms and the same count). Its sequences' boundaries travel between
 stages in the padding mask's place, as cumulative lengths (1-D int32; a padding mask is 2-D). Attention runs over
 each sequence alone: on CUDA in half precision through torch's variable-length flash attention
-(``torch.nn.attention.varlen``), elsewhere sequence by sequence through SDPA.
+(``torch.nn.attention.varlen``), elsewhere (and for a flattened batch where that kernel cannot run) through SDPA
+with a mask that keeps each sequence to itself.
 
 The workers' replicas point their attention at :data:`NAME`, registered with transformers next to its own
 implementations: SDPA for micro-batches that are not packed. The user's model keeps its own setting.
