@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import relative_error
+from test_packed import assert_packed_from
 from test_tokens import LM, fit, flat, instruction_batch, staleness_one_reference
 from torch.utils.data import DataLoader
 
@@ -53,20 +54,7 @@ def test_a_flattened_batch_is_cut_between_its_sequences_into_packed_micro_batche
     micro, targets = split(inputs, inputs[-1], 4)
     assert len(micro) == 4 and all(t is m[3] for m, t in zip(micro, targets))
     assert sum(m[0].numel() for m in micro) == sum(lengths)
-    seen = []
-    for ids, bounds, positions, labels in micro:
-        assert ids.shape[0] == 1 and packed.is_packed(bounds) and int(bounds[-1]) == ids.shape[1]
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            assert positions[0, a:b].tolist() == list(range(b - a))
-            row = next(r for r in range(12) if r not in seen and padded["input_ids"][r, : b - a].equal(ids[0, a:b]))
-            seen.append(row)
-            assert labels[0, a:b].tolist() == [-100, *padded["labels"][row, 1 : b - a].tolist()]
-    assert sorted(seen) == list(range(12))
-    counted = sum(int(hf.counted_tokens(m[3])) for m in micro)
-    assert counted == int(hf.counted_tokens(batch["labels"]))  # the loss is normalised over the same count
-    at = split.sizes(inputs, inputs[-1])
-    for num in (1, 3, 4, 12):
-        assert at(num) == [m[0].numel() for m in split(inputs, inputs[-1], num)[0]]
+    assert_packed_from(padded, micro, split, inputs)
 
 
 def test_positions_that_do_not_start_at_zero_travel_as_they_are():

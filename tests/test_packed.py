@@ -37,24 +37,30 @@ def test_packed_micro_batches_hold_only_real_tokens_with_the_same_loss_terms(pro
     lengths = batch["attention_mask"].sum(1).tolist()
     assert len(micro) == 4 and all(t is m[3] for m, t in zip(micro, targets))
     assert sum(m[0].numel() for m in micro) == sum(lengths)  # no padding at all
-    seen = []
+    assert_packed_from(batch, micro, split, inputs)
+    costs = [sum(split.cost(1, b - a) for a, b in zip(m[1][:-1].tolist(), m[1][1:].tolist())) for m in micro]
+    assert max(costs) <= 2 * sum(split.cost(1, n) for n in lengths) / 4  # balanced within twice the mean
+
+
+def assert_packed_from(padded, micro, split, inputs) -> None:
+    """Each packed micro-batch one row of whole sequences of ``padded`` (each row once), positions restarting,
+    each sequence's first label -100 and the rest its own; the same counted tokens; ``sizes`` as the cut."""
+    rows, seen = padded["input_ids"].shape[0], []
     for ids, bounds, positions, labels in micro:
         assert ids.shape[0] == 1 and bounds.dtype == torch.int32 and packed.is_packed(bounds)
         assert int(bounds[-1]) == ids.shape[1] and positions.shape == ids.shape
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             assert positions[0, a:b].tolist() == list(range(b - a))  # positions restart at each sequence
-            assert int(labels[0, a]) == -100  # nothing predicts a sequence's first token
-            row = next(r for r in range(12) if r not in seen and batch["input_ids"][r, : b - a].equal(ids[0, a:b]))
+            row = next(r for r in range(rows) if r not in seen and padded["input_ids"][r, : b - a].equal(ids[0, a:b]))
             seen.append(row)
-            assert labels[0, a + 1 : b].equal(batch["labels"][row, 1 : b - a])
-    assert sorted(seen) == list(range(12))
+            # nothing predicts a sequence's first token
+            assert labels[0, a:b].tolist() == [-100, *padded["labels"][row, 1 : b - a].tolist()]
+    assert sorted(seen) == list(range(rows))
     counted = sum(int(hf.counted_tokens(m[3])) for m in micro)
-    assert counted == int(hf.counted_tokens(batch["labels"]))  # the loss is normalised over the same count
+    assert counted == int(hf.counted_tokens(inputs[-1]))  # the loss is normalised over the same count
     at = split.sizes(inputs, inputs[-1])
-    for num in (1, 3, 4, 12):
+    for num in (1, 3, 4, rows):
         assert at(num) == [m[0].numel() for m in split(inputs, inputs[-1], num)[0]]
-    costs = [sum(split.cost(1, b - a) for a, b in zip(m[1][:-1].tolist(), m[1][1:].tolist())) for m in micro]
-    assert max(costs) <= 2 * sum(split.cost(1, n) for n in lengths) / 4  # balanced within twice the mean
 
 
 def test_a_batch_that_cannot_be_packed_is_cut_by_tokens_as_before():
