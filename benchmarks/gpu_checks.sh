@@ -30,7 +30,7 @@
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
 #        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed varlen-packed-24gib
 #        (32 a step: packed, and flattened rows cut by roundpipe)
-#        varlen-plain-packed (plain Lightning on packed rows)
+#        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -246,6 +246,14 @@ for step in "${steps[@]}"; do
       run varlen-32-24gib-packed 320 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
         --configs newcomer-packed,newcomer-flattened --warmup 10 --steps 4 --config-timeout 150 \
         --out "$OUT/varlen-32-24gib-packed.json" ;;
+    varlen-packed-8-24gib)  # issue 39: split_by="packed" at 8 a step on the full card and at 32 a step on 24 GiB, the
+      # flattened GPU test first (its spy on the flash kernel recompiled per call on 2026-12-04). About 400 s
+      run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py \
+        tests/test_flattened.py
+      run varlen-8-packed 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer-packed --warmup 10 --steps 6 --config-timeout 180 --out "$OUT/varlen-8-packed.json"
+      run varlen-32-24gib-packed 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer-packed --warmup 10 --steps 4 --config-timeout 180 --out "$OUT/varlen-32-24gib-packed.json" ;;
     liger-profile)  # issue 41: plain with Liger ran 21,444 at 4 sequences a micro-batch and 29,227 at 8, plain with
       # compiled blocks 35,086 and 35,170 (2026-12-03, fourteenth): one profiled step of each, by kernel kind. About 300 s
       run liger-profile-mb4 200 python benchmarks/lightning_user.py --configs plain-liger,plain-compile --micro-batch 4 \

@@ -154,13 +154,19 @@ def test_flattened_batches_on_a_gpu_run_torch_s_flash_kernel_in_compiled_blocks(
 
     if packed._VARLEN is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
+    from torch._dynamo.comptime import comptime
+
     traced = {"_flash": 0, "_by_sequence": 0}  # calls while tracing (compiled) or running (eager)
 
     def counted(name):
         original = getattr(packed, name)
 
-        def call(*args):
+        def record() -> None:
             traced[name] += 1
+
+        def call(*args):
+            # counted at trace time, where dynamo would otherwise guard on the count and recompile per call
+            comptime(lambda ctx: record(), record)
             return original(*args)
 
         return call
