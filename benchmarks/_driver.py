@@ -65,7 +65,10 @@ def _run_config(script: str, config: str, shared: dict[str, Any], timeout: float
         progress = _progress(proc.stderr)
         print(f"{config}: FAILED ({proc.returncode})\n" + "\n".join(progress[-12:]), flush=True)
         print(proc.stderr[-3000:], flush=True)
-        return {"config": config, "error": proc.stderr[-3000:], "returncode": proc.returncode, "progress": progress}
+        # the whole chain: a failure raised while handling another (a retry after running out of memory) and
+        # the warnings before it say why; the last 3,000 characters held only the outer traceback
+        error = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("step "))
+        return {"config": config, "error": error[-30000:], "returncode": proc.returncode, "progress": progress}
     result = json.loads(lines[-1][len("RESULT ") :])
     result["config"] = config
     result["wall_s"] = time.perf_counter() - t0

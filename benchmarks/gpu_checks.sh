@@ -30,7 +30,7 @@
 #        varlen-shapes varlen-24gib-pool (issue 39: widths rounded up, flash first; 24 GiB with the pool's reuse)
 #        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed varlen-packed-24gib
 #        (32 a step: packed, and flattened rows cut by roundpipe)
-#        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib
+#        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -246,6 +246,11 @@ for step in "${steps[@]}"; do
       run varlen-32-24gib-packed 320 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
         --configs newcomer-packed,newcomer-flattened --warmup 10 --steps 4 --config-timeout 150 \
         --out "$OUT/varlen-32-24gib-packed.json" ;;
+    varlen-8-packed)  # issue 39: split_by="packed" at 8 a step (2026-12-04: "no loss for micro-batches [1]" at step 6,
+      # where the driver kept only the outer traceback), the flattened GPU test first. About 180 s
+      run gpu-tests-flattened 120 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_flattened.py
+      run varlen-8-packed 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer-packed --warmup 10 --steps 6 --config-timeout 180 --out "$OUT/varlen-8-packed.json" ;;
     varlen-packed-8-24gib)  # issue 39: split_by="packed" at 8 a step on the full card and at 32 a step on 24 GiB, the
       # flattened GPU test first (its spy on the flash kernel recompiled per call on 2026-12-04). About 400 s
       run gpu-tests-packed 150 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_packed.py \

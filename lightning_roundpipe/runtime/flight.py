@@ -291,7 +291,12 @@ class Flight:
         """
         missing = [m for m, loss in enumerate(self.losses) if loss is None]
         if missing:
-            raise RuntimeError(f"internal error: no loss for micro-batches {missing}")
+            schedule = self.schedule
+            raise RuntimeError(
+                f"internal error: no loss for micro-batches {missing} of {len(self.losses)} (batch {self.call},"
+                f" scheduled {schedule.microbatches_per_round} per round x {schedule.num_rounds} rounds on plan"
+                f" {schedule.plan}, guarded {self.guarded}, writes skipped {sorted(self.host_writes.skip)})"
+            )
         total = torch.zeros((), dtype=torch.float32)
         for parcel in self.losses:
             assert parcel is not None
