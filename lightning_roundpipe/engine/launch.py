@@ -102,6 +102,11 @@ class Launcher:
             mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
         else:
             mb_inputs, mb_targets = batch.split(batch.inputs, batch.target, per_round * rounds)
+            if len(mb_inputs) != per_round * rounds or len(mb_targets) != len(mb_inputs):
+                raise RuntimeError(
+                    f"internal error: {type(batch.split).__name__} cut a batch of {batch.samples} samples into"
+                    f" {len(mb_inputs)} micro-batches ({len(mb_targets)} targets) for {how}"
+                )
         sizes = [input_elements(x) for x in mb_inputs]
         batch.largest = max(sizes)
         weights = microbatch_weights(mb_targets, mb_inputs, batch.reduction)
