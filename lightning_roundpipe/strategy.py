@@ -61,9 +61,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
-        split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's; a flattened one's between
-            its sequences, packed), ``"packed"`` (by tokens, each micro-batch's sequences in one row without
-            padding) or ``"samples"``.
+        split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's, packed where torch's
+            varlen flash kernel runs; a flattened one's between its sequences, packed), ``"packed"`` (by tokens,
+            each micro-batch's sequences in one row without padding) or ``"samples"``.
         hf_stages: a Hugging Face model's stages: ``"auto"`` (the table's, else generic), ``"generic"``, ``"table"``.
         kernels: a Hugging Face model's stages with liger-kernel's kernels: ``"auto"``, ``"liger"`` or ``"none"``.
         compile: ``torch.compile`` of the layers: ``"auto"`` (HF blocks on CUDA), ``True``, ``False`` or its kwargs.
@@ -183,7 +183,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self.precision_plugin.check_supported(asynchronous, self.num_nodes)
         if asynchronous:
             _warn_about_gradient_hooks(module)
-        pipelined = pipelined_layers(module, self.options, cuda)
+        half = self.precision_plugin.compute_dtype in (torch.bfloat16, torch.float16)
+        pipelined = pipelined_layers(module, self.options, cuda, self.worker_devices[0] if cuda else None, half)
         self.kernels = pipelined.kernels
         with pipelined.undone_on_failure():  # the host memory check, the nodes' agreement
             self.engine = build_engine(

@@ -148,24 +148,13 @@ def test_flattened_batches_on_a_gpu_run_torch_s_flash_kernel_in_compiled_blocks(
     micro-batches go through torch's varlen flash kernel, never SDPA with a mask (the flash path is what the
     compiled blocks traced), no block fell back to eager, and the weights moved within bf16 rounding of plain
     Lightning's on the same batches."""
-    from test_packed import GpuLM, train_on_a_gpu
+    from test_packed import GpuLM, spy_on_flash, train_on_a_gpu
 
-    from lightning_roundpipe.models.hf import stages
     from lightning_roundpipe.runtime.compiles import compilations
 
     if packed._VARLEN is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
-
-    flash: list[bool] = []  # per packed micro-batch and stage: whether torch's flash kernel runs its attention
-    decide = stages.attention_kwargs
-
-    def spied(*args):  # decided eagerly, outside the compiled blocks (a spy inside them made dynamo recompile)
-        kwargs = decide(*args)
-        if kwargs:
-            flash.append(kwargs["roundpipe_flash"])
-        return kwargs
-
-    monkeypatch.setattr(stages, "attention_kwargs", spied)
+    flash = spy_on_flash(monkeypatch)
     plain = train_on_a_gpu("auto", flat_batches(steps=3))
     before = compilations()
     ours = train_on_a_gpu(RoundPipeStrategy(async_optimizer=False, num_microbatches=3), flat_batches(steps=3))

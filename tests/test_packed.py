@@ -180,6 +180,35 @@ def test_asynchronous_packed_training_equals_the_staleness_one_reference():
     assert relative_error(flat(ours), flat(staleness_one_reference(batches()))) <= 1e-5
 
 
+def test_the_default_packs_padded_batches_only_where_the_flash_kernel_runs(monkeypatch):
+    """``split_by="auto"`` packs a padded batch's micro-batches on a CUDA worker where torch's varlen flash kernel
+    runs (half precision asked of it); not where it cannot (a reason), not without a CUDA worker, not for a
+    model that cannot be packed, and ``split_by="tokens"`` keeps padded rows."""
+    from lightning_roundpipe.discovery import pipelined_layers
+    from lightning_roundpipe.options import RoundPipeOptions
+
+    asked = []
+
+    def why_not(module, device, half=None):
+        asked.append(half)
+        return None if half else "attention would run in float32"
+
+    monkeypatch.setattr(packed, "why_not_flash", why_not)
+    cuda, options = torch.device("cuda", 0), RoundPipeOptions(compile=False, kernels="none")
+
+    def packs(module=None, options=options, device=cuda, half=True) -> bool:
+        return pipelined_layers(module or LM(), options, device is not None, device, half).split.packed
+
+    assert packs() and asked == [True]
+    assert not packs(half=False)
+    assert not packs(device=None)
+    assert not packs(options=RoundPipeOptions(compile=False, kernels="none", split_by="tokens"))
+    eager = LM()
+    eager.model = tiny("qwen3", attn="eager")
+    assert not packs(eager)
+    assert asked == [True, False]
+
+
 def test_models_that_cannot_be_packed_are_refused_at_setup():
     from test_hf import tiny_moe
 
@@ -239,20 +268,42 @@ def test_packed_attention_on_a_gpu_runs_torch_s_varlen_kernel_like_sdpa_per_sequ
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_packed_training_on_a_gpu_with_compiled_blocks_trains_like_plain_lightning(recwarn):
-    """Under ``Trainer`` on the GPU, bf16-mixed, every default but ``split_by="packed"`` (blocks compiled by
-    Inductor around the varlen kernel): weights moved within bf16 rounding of plain Lightning's on padded
-    batches, the micro-batches packed, and no block fell back to eager."""
+@pytest.mark.parametrize("split_by", ["packed", "auto"])
+def test_packed_training_on_a_gpu_with_compiled_blocks_trains_like_plain_lightning(monkeypatch, recwarn, split_by):
+    """Under ``Trainer`` on the GPU, bf16-mixed, every default (``split_by="auto"`` packs padded batches where
+    torch's flash kernel runs) and ``split_by="packed"`` (blocks compiled by Inductor around the varlen kernel):
+    weights moved within bf16 rounding of plain Lightning's on padded batches, the micro-batches packed and run
+    by the flash kernel, and no block fell back to eager."""
     from lightning_roundpipe.runtime.compiles import compilations
 
     data = batches(steps=3, longest=40)
     plain = train_on_a_gpu("auto", data)
     before = compilations()
-    ours = train_on_a_gpu(RoundPipeStrategy(async_optimizer=False, num_microbatches=3, split_by="packed"), data)
+    flash = spy_on_flash(monkeypatch)
+    ours = train_on_a_gpu(RoundPipeStrategy(async_optimizer=False, num_microbatches=3, split_by=split_by), data)
+    assert flash and all(flash)
     assert 0 < compilations() - before <= 4  # not one per length (3 steps, 9 micro-batches, all of new lengths)
-    assert not [w for w in recwarn if "could not compile" in str(w.message)]
+    assert not [str(w.message) for w in recwarn if "could not compile" in str(w.message)]
     start = flat(GpuLM())
     assert relative_error(flat(ours) - start, flat(plain) - start) <= 0.1
+
+
+def spy_on_flash(monkeypatch) -> list[bool]:
+    """Per packed micro-batch and stage, whether torch's flash kernel runs its attention: decided eagerly,
+    outside the compiled blocks (a spy inside them made dynamo guard on its count and recompile per call)."""
+    from lightning_roundpipe.models.hf import stages
+
+    flash: list[bool] = []
+    decide = stages.attention_kwargs
+
+    def spied(*args):
+        kwargs = decide(*args)
+        if kwargs:
+            flash.append(kwargs["roundpipe_flash"])
+        return kwargs
+
+    monkeypatch.setattr(stages, "attention_kwargs", spied)
+    return flash
 
 
 class GpuLM(LM):
@@ -274,13 +325,13 @@ def train_on_a_gpu(strategy, data) -> GpuLM:
 def test_where_the_flash_kernel_cannot_run_packed_asks_fail_and_flattened_batches_fall_back(monkeypatch):
     """``split_by="packed"`` asked for the flash kernel: its first micro-batch says why it cannot run; under the
     default a flattened batch's micro-batches run SDPA sequence by sequence instead, with one warning."""
-    monkeypatch.setattr(packed, "_why_not_flash", lambda module, device: "a reason")
+    monkeypatch.setattr(packed, "why_not_flash", lambda module, device: "a reason")
     module = torch.nn.Module()
     assert packed._choose_flash(module, torch.device("cpu")) is False
     packed.require_flash([module])
     with pytest.raises(ValueError, match=r"split_by='packed'.*cannot run here: a reason"):
         packed._choose_flash(module, torch.device("cpu"))
-    monkeypatch.setattr(packed, "_why_not_flash", lambda module, device: None)
+    monkeypatch.setattr(packed, "why_not_flash", lambda module, device: None)
     assert packed._choose_flash(module, torch.device("cpu")) is True
 
 

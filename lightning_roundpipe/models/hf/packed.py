@@ -112,7 +112,7 @@ def require_flash(layers: Sequence[nn.Module]) -> None:
 
 
 def _choose_flash(module: nn.Module, device: torch.device) -> bool:
-    why = _why_not_flash(module, device)
+    why = why_not_flash(module, device)
     if why is None:
         return True
     if module.__dict__.get(REQUIRED):
@@ -144,16 +144,18 @@ def use_packed_attention(module: nn.Module) -> None:
     config.__dict__["_attn_implementation_internal"] = NAME  # the field itself: the setter rewrites sub-configs
 
 
-def _why_not_flash(module: nn.Module, device: torch.device) -> str | None:
+def why_not_flash(module: nn.Module, device: torch.device, half: bool | None = None) -> str | None:
     """Why torch's flash kernel cannot run a packed micro-batch on this CUDA device (``None``: it can): no
     ``torch.nn.attention.varlen``, a card before sm80, a head size it does not take, attention not in half
-    precision, or a scale this torch's kernel does not take."""
+    precision (``half``: whether it runs in half precision; ``None``: as autocast and the weights say now), or a
+    scale this torch's kernel does not take."""
     config = module.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
-    half = (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _HALF) or (
-        weight is not None and weight.dtype in _HALF
-    )
+    if half is None:
+        weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+        half = (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _HALF) or (
+            weight is not None and weight.dtype in _HALF
+        )
     scaling = next((m.scaling for m in module.modules() if isinstance(getattr(m, "scaling", None), float)), None)
     unscaled = "scale" not in _VARLEN_TAKES and scaling is not None and abs(scaling - head_dim**-0.5) > 1e-9
     return (
