@@ -91,10 +91,10 @@ def pipelined_layers(
 
 def _pack_padded(pipelined: Pipelined, device: torch.device, half: bool) -> None:
     """``split_by="auto"``: a padded batch's micro-batches packed (one row each, no padding, torch's varlen flash
-    attention) where that kernel runs. Measured on an H200 against micro-batches of padded rows (2026-12-04,
-    sequences of 256..4096 tokens): 19,788 against 14,850 real tokens/s at 8 a step, 41,744 against 35,339 at
-    32, 33,635 against 25,227 at 32 capped at 24 GiB. Elsewhere (SDPA with a mask per micro-batch, memory
-    growing with the square of its tokens) padded rows stay."""
+    attention) where that kernel runs, if the batch holds padding. Measured on an H200 against micro-batches of
+    padded rows (2026-12-04, sequences of 256..4096 tokens): 19,788 against 14,850 real tokens/s at 8 a step,
+    41,744 against 35,339 at 32, 33,635 against 25,227 at 32 capped at 24 GiB. Elsewhere (SDPA with a mask per
+    micro-batch, memory growing with the square of its tokens) padded rows stay."""
     from lightning_roundpipe.models.hf import TokenSplit, unwrap
     from lightning_roundpipe.models.hf.packed import why_not_flash
 
@@ -103,7 +103,7 @@ def _pack_padded(pipelined: Pipelined, device: torch.device, half: bool) -> None
         return
     why = why_not_flash(unwrap(pipelined.hf_model), device, half)
     if why is None:
-        split.packed = True
+        split.packed, split.pack_unpadded = True, False
         rank_zero_info("roundpipe: padded batches' micro-batches packed (torch's variable-length flash attention)")
     else:
         rank_zero_info(f"roundpipe: padded batches' micro-batches stay padded (torch's flash kernel cannot run: {why})")

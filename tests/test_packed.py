@@ -200,13 +200,20 @@ def test_the_default_packs_padded_batches_only_where_the_flash_kernel_runs(monke
         return pipelined_layers(module or LM(), options, device is not None, device, half).split.packed
 
     assert packs() and asked == [True]
+    split = pipelined_layers(LM(), options, True, cuda, True).split
+    assert not split.pack_unpadded  # a batch of one length keeps its rows under the default (nothing to remove)
+    for lengths, packed_rows in (({}, True), ({"shortest": 12, "longest": 12}, False)):
+        inputs = as_inputs(instruction_batch(rows=6, seed=1, **lengths))
+        micro, _ = split(inputs, inputs[-1], 2)
+        assert all(packed.is_packed(m[1]) == packed_rows for m in micro)
+    asked.clear()
     assert not packs(half=False)
     assert not packs(device=None)
     assert not packs(options=RoundPipeOptions(compile=False, kernels="none", split_by="tokens"))
     eager = LM()
     eager.model = tiny("qwen3", attn="eager")
     assert not packs(eager)
-    assert asked == [True, False]
+    assert asked == [False]
 
 
 def test_models_that_cannot_be_packed_are_refused_at_setup():

@@ -54,6 +54,9 @@ class TokenSplit:
         self.unpackable = unpackable
         """Why the model's micro-batches cannot be packed (``None``: they can): a flattened batch then runs
         as its rows, with transformers' mask over each whole row."""
+        self.pack_unpadded = True
+        """Packed also where a batch has no padding (``split_by="packed"``); ``False`` under ``"auto"``, where a
+        batch of one length keeps the rows it was measured with (packing removes no padding there)."""
         self._warned: set[str] = set()
         self._last: tuple[Tensor, Tensor, list[Piece] | None] | None = None
 
@@ -169,10 +172,13 @@ class TokenSplit:
         return pieces
 
     def _packs(self, inputs: Inputs) -> bool:
-        """Whether this batch's micro-batches are packed: asked for, right padding without labels on it, and
-        positions of their own (``0..T-1``, left out by :func:`plain_inputs`)."""
+        """Whether this batch's micro-batches are packed: asked for, right padding without labels on it,
+        positions of their own (``0..T-1``, left out by :func:`plain_inputs`), and (unless
+        :attr:`pack_unpadded`) some padding to remove."""
         _, attention_mask, position_ids, labels = inputs
-        return self.packed and position_ids is None and trailing_padding(attention_mask, labels)
+        if not (self.packed and position_ids is None and trailing_padding(attention_mask, labels)):
+            return False
+        return self.pack_unpadded or not bool(attention_mask.all())
 
     def _width(self, length: int, width: int) -> int:
         return min(width, -(-length // self.width_multiple) * self.width_multiple)
