@@ -184,7 +184,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         if asynchronous:
             _warn_about_gradient_hooks(module)
         half = self.precision_plugin.compute_dtype in (torch.bfloat16, torch.float16)
-        pipelined = pipelined_layers(module, self.options, cuda, self.worker_devices[0] if cuda else None, half)
+        pipelined = pipelined_layers(module, self.options, cuda, self.worker_devices if cuda else (), half)
         self.kernels = pipelined.kernels
         with pipelined.undone_on_failure():  # the host memory check, the nodes' agreement
             self.engine = build_engine(

@@ -191,16 +191,16 @@ def test_the_default_packs_padded_batches_only_where_the_flash_kernel_runs(monke
 
     def why_not(module, device, half=None):
         asked.append(half)
-        return None if half else "attention would run in float32"
+        return "older than sm80" if device.index == 1 else None if half else "attention would run in float32"
 
     monkeypatch.setattr(packed, "why_not_flash", why_not)
     cuda, options = torch.device("cuda", 0), RoundPipeOptions(compile=False, kernels="none")
 
-    def packs(module=None, options=options, device=cuda, half=True) -> bool:
-        return pipelined_layers(module or LM(), options, device is not None, device, half).split.packed
+    def packs(module=None, options=options, devices=(cuda,), half=True) -> bool:
+        return pipelined_layers(module or LM(), options, bool(devices), devices, half).split.packed
 
     assert packs() and asked == [True]
-    split = pipelined_layers(LM(), options, True, cuda, True).split
+    split = pipelined_layers(LM(), options, True, [cuda, cuda], True).split
     assert not split.pack_unpadded  # a batch of one length keeps its rows under the default (nothing to remove)
     for lengths, packed_rows in (({}, True), ({"shortest": 12, "longest": 12}, False)):
         inputs = as_inputs(instruction_batch(rows=6, seed=1, **lengths))
@@ -208,12 +208,13 @@ def test_the_default_packs_padded_batches_only_where_the_flash_kernel_runs(monke
         assert all(packed.is_packed(m[1]) == packed_rows for m in micro)
     asked.clear()
     assert not packs(half=False)
-    assert not packs(device=None)
+    assert not packs(devices=())
+    assert not packs(devices=(cuda, torch.device("cuda", 1)))  # every worker must run it
     assert not packs(options=RoundPipeOptions(compile=False, kernels="none", split_by="tokens"))
     eager = LM()
     eager.model = tiny("qwen3", attn="eager")
     assert not packs(eager)
-    assert asked == [False]
+    assert asked == [False, True, True]
 
 
 def test_models_that_cannot_be_packed_are_refused_at_setup():
@@ -244,6 +245,10 @@ def test_models_that_cannot_be_packed_are_refused_at_setup():
     dropout.model.config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention dropout"):
         pipelined_layers(dropout, options, cuda=False)
+    capped = LM()
+    capped.model.config.attn_logit_softcapping = 50.0  # as Gemma2's config carries it
+    with pytest.raises(ValueError, match="soft-capped"):
+        pipelined_layers(capped, options, cuda=False)
     from helpers import BoringPipeline, boring_data
 
     with pytest.raises(ValueError, match=r"split_by='packed'\) cuts a Hugging Face model's padded token batches"):

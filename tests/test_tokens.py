@@ -242,3 +242,15 @@ def test_token_type_ids_a_model_does_not_take_are_ignored_as_plain_transformers_
     plain, _ = fit("auto", 1, with_types(batches(steps=2)))
     ours, _ = fit(RoundPipeStrategy(num_microbatches=2, async_optimizer=False), 2, with_types(batches(steps=2)))
     assert relative_error(flat(ours), flat(plain)) <= 1e-5
+
+
+def test_a_split_that_cuts_another_count_than_asked_is_refused_at_the_cut():
+    """The schedule holds the count asked: a micro-batch beyond it would never run, and the batch's loss would
+    miss it only at the end (as the packed cut's rounding did on Python 3.12)."""
+    from lightning_roundpipe.runtime.microbatch import cut
+
+    inputs = as_inputs(instruction_batch(rows=4, seed=0))
+    assert len(cut(TokenSplit(), inputs, inputs[-1], 2, "2 micro-batches")[0]) == 2
+    one_more = lambda i, t, num: TokenSplit()(i, t, num + 1)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"cut a batch into 3 micro-batches \(3 targets\) for 2 micro-batches"):
+        cut(one_more, inputs, inputs[-1], 2, "2 micro-batches")

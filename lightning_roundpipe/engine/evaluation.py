@@ -20,7 +20,7 @@ from lightning_roundpipe.engine.steps import StepChain
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, Split, microbatch_weights, samples_of, split_batch
+from lightning_roundpipe.runtime.microbatch import Reduction, Split, cut, microbatch_weights, samples_of, split_batch
 from lightning_roundpipe.schedule.build import batch_schedule
 from lightning_roundpipe.schedule.transfers import Overlap
 
@@ -81,7 +81,7 @@ class Evaluator:
             per_round, rounds = size, 1
         how = f"num_microbatches={per_round} per round x num_rounds={rounds}"
         if split is not None and loss_fn is not None:
-            mb_inputs, mb_targets = split(inputs, target, per_round * rounds)
+            mb_inputs, mb_targets = cut(split, inputs, target, per_round * rounds, how)
         else:
             mb_inputs, mb_targets = split_batch(inputs, target, per_round * rounds, how)
         weights = microbatch_weights(mb_targets, mb_inputs, reduction) if loss_fn is not None else []

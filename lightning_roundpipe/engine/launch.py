@@ -20,7 +20,14 @@ from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.microbatch import Reduction, Split, input_elements, microbatch_weights, split_batch
+from lightning_roundpipe.runtime.microbatch import (
+    Reduction,
+    Split,
+    cut,
+    input_elements,
+    microbatch_weights,
+    split_batch,
+)
 from lightning_roundpipe.runtime.workers import Gate, Task
 from lightning_roundpipe.schedule import Overlap, batch_schedule
 
@@ -101,12 +108,7 @@ class Launcher:
         if batch.split is None:
             mb_inputs, mb_targets = split_batch(batch.inputs, batch.target, per_round * rounds, how)
         else:
-            mb_inputs, mb_targets = batch.split(batch.inputs, batch.target, per_round * rounds)
-            if len(mb_inputs) != per_round * rounds or len(mb_targets) != len(mb_inputs):
-                raise RuntimeError(
-                    f"internal error: {type(batch.split).__name__} cut a batch of {batch.samples} samples into"
-                    f" {len(mb_inputs)} micro-batches ({len(mb_targets)} targets) for {how}"
-                )
+            mb_inputs, mb_targets = cut(batch.split, batch.inputs, batch.target, per_round * rounds, how)
         sizes = [input_elements(x) for x in mb_inputs]
         batch.largest = max(sizes)
         weights = microbatch_weights(mb_targets, mb_inputs, batch.reduction)

@@ -74,6 +74,18 @@ def split(tree: Any, num: int) -> list[Any]:
     ]
 
 
+def cut(split: Split, inputs: Any, target: Any, num: int, how: str) -> tuple[list[Any], list[Any]]:
+    """``split``'s ``num`` micro-batches, refused here if it made another count (the schedule has ``num``: a
+    micro-batch beyond it would never run, and its loss would be missing only at the batch's end)."""
+    micro_inputs, micro_targets = split(inputs, target, num)
+    if len(micro_inputs) != num or len(micro_targets) != num:
+        raise RuntimeError(
+            f"internal error: {type(split).__name__} cut a batch into {len(micro_inputs)} micro-batches"
+            f" ({len(micro_targets)} targets) for {how}"
+        )
+    return micro_inputs, micro_targets
+
+
 def split_batch(inputs: Any, target: Any, num: int, how: str) -> tuple[list[Any], list[Any]]:
     """Split inputs and target into ``num`` micro-batches; ``how`` names the settings in errors."""
     n = batch_size(inputs, "the inputs")

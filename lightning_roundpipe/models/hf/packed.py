@@ -121,8 +121,8 @@ def _choose_flash(module: nn.Module, device: torch.device) -> bool:
             f" kernel, which cannot run here: {why}. Use split_by='auto'."
         )
     _warn_once(
-        f"roundpipe: flattened batches' micro-batches run attention through SDPA with a mask per micro-batch (memory"
-        f" growing with the square of its tokens): torch's variable-length flash kernel cannot run here ({why})"
+        f"roundpipe: packed micro-batches run attention through SDPA with a mask per micro-batch (memory growing"
+        f" with the square of its tokens): torch's variable-length flash kernel cannot run on {device} ({why})"
     )
     return False
 
@@ -265,7 +265,7 @@ def _flash(
 def packable(model: nn.Module, layers: Sequence[nn.Module]) -> str | None:
     """Why a model's micro-batches cannot be packed (``None``: they can): attention other than SDPA, stages other
     than the architecture table's (the generic path runs the model's own masks), sliding windows or experts
-    (their router sums read the padding mask), attention dropout."""
+    (their router sums read the padding mask), attention dropout, soft-capped scores."""
     from lightning_roundpipe.models.hf.stages import AttentionStage, DecoderStage, InputStage, MlpStage, OutputStage
 
     implementation = getattr(model.config, "_attn_implementation", None)
@@ -278,6 +278,8 @@ def packable(model: nn.Module, layers: Sequence[nn.Module]) -> str | None:
         else "sliding-window attention" if any(getattr(layer, "sliding", False) for layer in layers)
         else "mixture-of-experts blocks" if any(getattr(layer, "router", None) for layer in layers)
         else "attention dropout (its attention_dropout is set)" if getattr(model.config, "attention_dropout", 0.0)
+        else "soft-capped attention scores (attn_logit_softcapping)"
+        if getattr(model.config, "attn_logit_softcapping", None)
         else None
     )  # fmt: skip
 
