@@ -67,7 +67,7 @@ def pipelined_layers(
     (``options.kernels``) on CUDA workers (``cuda``): bound after, so that a compiled module keeps its own
     code for Inductor to fuse, and a block compiled whole traces into the kernels of its submodules.
     ``devices``: the CUDA workers', where ``split_by="auto"`` packs padded batches if torch's flash kernel runs
-    on each (``half``: attention in half precision)."""
+    on each (``half``: the precision computes in half; otherwise the weights' dtype decides)."""
     pipelined = discover(module, options)
     if options.split_by == "auto" and devices:
         _pack_padded(pipelined, devices, half)
@@ -103,7 +103,8 @@ def _pack_padded(pipelined: Pipelined, devices: Sequence[torch.device], half: bo
         return
     model = unwrap(pipelined.hf_model)
     # every worker: where one could not, its packed rows would take SDPA with a mask the square of their tokens
-    why = next(filter(None, (why_not_flash(model, device, half) for device in dict.fromkeys(devices))), None)
+    checks = (why_not_flash(model, device, half or None) for device in dict.fromkeys(devices))  # None: weights say
+    why = next(filter(None, checks), None)
     if why is None:
         split.packed, split.pack_unpadded = True, False
         rank_zero_info("roundpipe: padded batches' micro-batches packed (torch's variable-length flash attention)")
