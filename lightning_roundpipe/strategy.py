@@ -183,7 +183,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self.precision_plugin.check_supported(asynchronous, self.num_nodes)
         if asynchronous:
             _warn_about_gradient_hooks(module)
-        half = self.precision_plugin.compute_dtype in (torch.bfloat16, torch.float16)
+        half = self.precision_plugin.compute_dtype in (torch.bfloat16, torch.float16) or None  # None: weights say
         pipelined = pipelined_layers(module, self.options, cuda, self.worker_devices if cuda else (), half)
         self.kernels = pipelined.kernels
         with pipelined.undone_on_failure():  # the host memory check, the nodes' agreement

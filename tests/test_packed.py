@@ -207,14 +207,14 @@ def test_the_default_packs_padded_batches_only_where_the_flash_kernel_runs(monke
         micro, _ = split(inputs, inputs[-1], 2)
         assert all(packed.is_packed(m[1]) == packed_rows for m in micro)
     asked.clear()
-    assert not packs(half=False)
+    assert not packs(half=None)  # no half compute dtype: the (float32) weights decide
     assert not packs(devices=())
     assert not packs(devices=(cuda, torch.device("cuda", 1)))  # every worker must run it
     assert not packs(options=RoundPipeOptions(compile=False, kernels="none", split_by="tokens"))
     eager = LM()
     eager.model = tiny("qwen3", attn="eager")
     assert not packs(eager)
-    assert asked == [None, True, True]  # without a half compute dtype (32-true), the weights' own dtype decides
+    assert asked == [None, True, True]
 
 
 def test_models_that_cannot_be_packed_are_refused_at_setup():
