@@ -31,6 +31,7 @@
 #        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed varlen-packed-24gib
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
+#        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -195,6 +196,14 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-32-24gib.json"
       run varlen-8-default 150 "${vl[@]}" --seqs 8 --warmup 10 --steps 6 --config-timeout 140 \
         --out "$OUT/varlen-8-default.json" ;;
+    host-contention)  # issue 39, 8 a step host-bound (2026-12-04, seventeenth: the optimizer thread's math and cast took
+      # 0.53 + 0.21 s a step in training, 0.34 + 0.12 s alone): the parts beside each load a step puts next to
+      # them (about 90 s), then the defaults against blocking CUDA events, with the optimizer thread's trace (about 230 s)
+      run host-step 150 python benchmarks/host_step.py --out "$OUT/host-step.json" \
+        --only math,cast,math-then-cast,math-then-cast+spinners,math-then-cast+sleepers,math-then-cast+dma,math-then-cast+python
+      run varlen-8-blocking 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,newcomer-blocking --warmup 10 --steps 8 --host-trace --config-timeout 140 \
+        --out "$OUT/varlen-8-blocking.json" ;;
     varlen-expandable)  # issue 39: 32 a step, full card, the allocator's expandable segments (fragmentation). About 200 s
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
         --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \

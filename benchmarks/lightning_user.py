@@ -24,6 +24,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
   ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
   micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
+- ``newcomer-hostN``: the defaults with the optimizer thread's intra-op threads set to N (an experiment);
+  ``newcomer-blocking``: the engine's CUDA events made blocking, so that host threads waiting on them sleep
+  instead of spinning a core each (an experiment: the host step ran 1.6x slower inside training than alone);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
@@ -367,7 +370,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return deepspeed_strategy(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    if config in same or config.startswith("newcomer-width"):
+    if config in same or config == "newcomer-blocking" or config.startswith(("newcomer-width", "newcomer-host")):
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
@@ -393,7 +396,7 @@ def strategy_for(
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
-        " newcomer-widthN, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
+        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -465,6 +468,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         max_steps=steps, accumulate_grad_batches=accumulate, logger=False,
         callbacks=[
             clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else []),
+            *([_HostTrace(args.warmup)] if args.host_trace and not plain else []),
             *([anatomy] if args.profile else []),
         ],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -589,6 +593,38 @@ def experiment(config: str) -> Iterator[None]:
         with sdpa_kernel([*order, SDPBackend.MATH], set_priority=True):
             yield
         return
+    if config == "newcomer-blocking":  # host waits on the engine's CUDA events sleep instead of spinning a core
+        from lightning_roundpipe.runtime.device import CudaWorkerDevice
+
+        record = CudaWorkerDevice.record
+
+        def blocking(self: CudaWorkerDevice, stream: Any) -> Any:
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+            return event
+
+        CudaWorkerDevice.record = blocking  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            CudaWorkerDevice.record = record  # type: ignore[method-assign]
+        return
+    if config.startswith("newcomer-host"):  # the optimizer thread's intra-op threads (torch's are per thread)
+        from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
+
+        threads, run = int(config.removeprefix("newcomer-host")), OptimizerWorker._run
+
+        def _run(self: OptimizerWorker, job: Any) -> None:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            run(self, job)
+
+        OptimizerWorker._run = _run  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            OptimizerWorker._run = run  # type: ignore[method-assign]
+        return
     if config.startswith("newcomer-width"):
         from lightning_roundpipe.models.hf.tokens import TokenSplit
 
@@ -667,6 +703,43 @@ class _ChunkedLoss(L.Callback):
                 layer.fused_loss = False  # a plain attribute: the workers' replicas take it at the next batch
 
 
+class _HostTrace(L.Callback):
+    """``--host-trace``: the optimizer thread's updates and casts, per step: the seconds of math, the span of the
+    casts (from the step's last math to its last cast) and the thread's idle before the step's first math."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip, self.trace = skip, None
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.trace = trainer.strategy.engine.crew.record_trace()
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        steps: dict[int, dict[str, list[float]]] = {}
+        for entry in self.trace or ():
+            if entry[0] == "update":
+                steps.setdefault(entry[1], {"starts": [], "ends": [], "casts": []})
+                steps[entry[1]]["starts"].append(entry[3])
+                steps[entry[1]]["ends"].append(entry[4])
+            elif entry[0] == "cast" and entry[1] in steps:
+                steps[entry[1]]["casts"].append(entry[3])
+        rows, previous = [], None
+        for step in sorted(steps):
+            s = steps[step]
+            last = max(s["casts"], default=max(s["ends"]))
+            rows.append({
+                "step": step,
+                "math_s": round(sum(b - a for a, b in zip(s["starts"], s["ends"])), 4),
+                "math_span_s": round(max(s["ends"]) - min(s["starts"]), 4),
+                "cast_span_s": round(last - max(s["ends"]), 4),
+                "idle_before_s": None if previous is None else round(min(s["starts"]) - previous, 4),
+            })  # fmt: skip
+            previous = last
+        state = getattr(trainer.strategy, "_last_engine", None)
+        if state is not None:
+            state["host_trace"] = rows[self.skip :]
+            state["main_threads"] = torch.get_num_threads()  # per thread: the optimizer thread may differ
+
+
 class _Remember(L.Callback):
     """Keeps what roundpipe chose (plan, micro-batches, host step) before teardown closes the engine."""
 
@@ -737,6 +810,7 @@ def main(argv: list[str] | None = None) -> None:
         "--block-kernels", default="liger", choices=("liger", "none"),
         help="none: only Liger's fused cross-entropy; the blocks keep transformers' modules (an experiment)",
     )  # fmt: skip
+    parser.add_argument("--host-trace", action="store_true", help="roundpipe: the optimizer thread's math and casts")
     parser.add_argument("--compile-backend", default="", help="CONFIG-compile: torch.compile's backend (its default)")
     parser.add_argument("--out", default=None)
     add_in_process_flag(parser)
@@ -766,6 +840,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"{r['config']}: device seconds over {r['anatomy']['steps']} steps: {parts};"
                   f" idle {kinds['idle_between_kernels_s']:.3f} of {kinds['span_s']:.3f}")  # fmt: skip
+        if r.get("host_trace"):
+            rows = r["host_trace"]
+            med = {k: statistics.median(row[k] for row in rows if row[k] is not None) for k in rows[0] if k != "step"}
+            print(f"{r['config']}: the optimizer thread, medians over {len(rows)} steps: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))  # fmt: skip
         if r.get("steady_plan") and r.get("plan"):
             print(f"{r['config']}: the plan last changed at step {r['steady_plan']['from_step']},"
                   f" {r['steady_plan']['after_s']} s into training")  # fmt: skip
