@@ -198,12 +198,15 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-8-default.json" ;;
     host-contention)  # issue 39, 8 a step host-bound (2026-12-04, seventeenth: the optimizer thread's math and cast took
       # 0.53 + 0.21 s a step in training, 0.34 + 0.12 s alone): the parts beside each load a step puts next to
-      # them (about 90 s), then the defaults against blocking CUDA events, with the optimizer thread's trace (about 230 s)
+      # them (about 90 s), then the defaults against blocking CUDA events, with the optimizer thread's trace (about 230 s),
+      # then the defaults with OpenMP's idle threads sleeping instead of spinning (about 110 s)
       run host-step 150 python benchmarks/host_step.py --out "$OUT/host-step.json" \
         --only math,cast,math-then-cast,math-then-cast+spinners,math-then-cast+sleepers,math-then-cast+dma,math-then-cast+python
       run varlen-8-blocking 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-blocking --warmup 10 --steps 8 --host-trace --config-timeout 140 \
-        --out "$OUT/varlen-8-blocking.json" ;;
+        --out "$OUT/varlen-8-blocking.json"
+      OMP_WAIT_POLICY=PASSIVE run varlen-8-omp-passive 150 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer --warmup 10 --steps 8 --host-trace --config-timeout 140 --out "$OUT/varlen-8-omp-passive.json" ;;
     varlen-expandable)  # issue 39: 32 a step, full card, the allocator's expandable segments (fragmentation). About 200 s
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
         --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \

@@ -22,8 +22,8 @@ each part costs and whether they overlap or share the memory bus:
 In a training step the optimizer thread's math and cast took 0.53 and 0.21 s where this measured 0.34 and
 0.12 alone (2026-12-04, seventeenth session): the loads say which neighbour costs what.
 
-Each is the best of ``--repeats`` after one warm-up. CPU only; on the GPU machine the compute copies are
-pinned as the engine pins them.
+Each is the best of ``--repeats`` after one warm-up. On the GPU machine the compute copies and gradients are
+page-locked in place, as the engine does (``--pin``).
 
     python benchmarks/host_step.py --out benchmarks/results/host-step.json
 """
@@ -47,13 +47,17 @@ CHUNK = 4 << 20
 class Groups:
     """Flat fp32 masters, gradients, AdamW moments and bf16 compute copies, one per group."""
 
-    def __init__(self, sizes: list[int], pin: bool) -> None:
+    def __init__(self, sizes: list[int], pin: str) -> None:
         self.data = [torch.randn(n) * 0.02 for n in sizes]
         self.grad = [torch.randn(n) * 1e-3 for n in sizes]
         self.avg = [torch.zeros(n) for n in sizes]
         self.avg_sq = [torch.zeros(n) for n in sizes]
         self.step = [torch.zeros(()) for _ in sizes]
-        self.compute = [torch.empty(n, dtype=torch.bfloat16, pin_memory=pin) for n in sizes]
+        self.compute = [torch.empty(n, dtype=torch.bfloat16, pin_memory=pin == "allocated") for n in sizes]
+        if pin == "registered":  # as the engine pins them: the compute copies and gradients page-locked in place
+            for t in self.compute + self.grad:
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                assert int(err) == 0, f"cudaHostRegister failed with CUDA error {int(err)}"
         params = [torch.nn.Parameter(d) for d in self.data]
         self.optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
         self.params = params
@@ -179,11 +183,16 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=28)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each group's size (a CPU smoke test)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--pin", default="registered", choices=("registered", "allocated", "none"),
+        help="CUDA: compute copies and gradients page-locked in place as the engine does, or compute copies"
+        " allocated pinned (the first run, 2026-12-04), or nothing pinned",
+    )  # fmt: skip
     parser.add_argument("--only", default="", help="comma-separated names of the measurements to run (all: empty)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sizes = [int(EMBEDDING * args.scale)] + [int(BLOCK * args.scale)] * args.blocks
-    pin = torch.cuda.is_available()
+    pin = args.pin if torch.cuda.is_available() else "none"
     start = time.perf_counter()
     groups = Groups(sizes, pin)
     built_s = time.perf_counter() - start
@@ -228,7 +237,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "parameters": total,
         "groups": len(sizes),
-        "pinned_compute": pin,
+        "pinned": pin,
         "torch": torch.__version__,
         "threads_main": torch.get_num_threads(),
         "threads_other": seen.get("threads"),
