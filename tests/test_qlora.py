@@ -46,18 +46,25 @@ def load(
     model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu")
     torch.manual_seed(1)  # the adapters' initialisation (B starts at zero: A's draws are the same in every run)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    return peft.get_peft_model(model, lora)
+    # from_pretrained leaves the model in eval mode, and Lightning keeps submodules' modes: on a CPU with
+    # AVX512-BF16, bitsandbytes then repacks an eval-mode 4-bit layer fed a tensor without grad (the first
+    # block's projections) for its CPU inference kernel, which rounds otherwise than matmul_4bit, in plain's
+    # training only. In train mode both sides run matmul_4bit, as every layer does on a GPU.
+    return peft.get_peft_model(model, lora).train()
 
 
 class QLoRA(L.LightningModule):
-    def __init__(self, path: str, **quant) -> None:
+    def __init__(self, path: str, sgd: bool = False, **quant) -> None:
         super().__init__()
         self.model = load(path, **quant)
+        self.sgd = sgd
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
 
     def configure_optimizers(self):
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
@@ -81,18 +88,21 @@ def adapters(module: L.LightningModule) -> torch.Tensor:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("quant_type", "double", "compute", "tolerance"),
-    # bf16 compute: the 4-bit product rounds by matrix shape (micro-batches against the whole batch), which
-    # Adam's normalised steps carry into the adapters at about 4e-4 relative; in fp32 the numbers are plain's
-    [("nf4", True, torch.float32, 1e-4), ("fp4", False, torch.float32, 1e-4), ("nf4", True, torch.bfloat16, 2e-3)],
-)
-def test_qlora_trains_to_the_adapter_weights_of_plain_lightning(saved, quant_type, double, compute, tolerance):
+    ("quant_type", "double", "compute", "sgd", "tolerance"),
+    # bf16 compute: the 4-bit product rounds by matrix shape (micro-batches against the whole batch). Adam's
+    # first step from B=0 turns such rounding into +-lr where a gradient is near zero (2.6e-3 relative on an
+    # AMD CPU with AVX512-BF16 even with one micro-batch, whose SGD step is plain's to 4e-9), so bf16 is
+    # checked with SGD: 3.5e-5 there, 0.2% of how far the adapters moved (the bound: 2%). In fp32, plain's.
+    [("nf4", True, torch.float32, False, 1e-4), ("fp4", False, torch.float32, False, 1e-4),
+     ("nf4", True, torch.bfloat16, True, 4e-4)],
+)  # fmt: skip
+def test_qlora_trains_to_the_adapter_weights_of_plain_lightning(saved, quant_type, double, compute, sgd, tolerance):
     """Three steps of padded batches, two workers, three micro-batches, synchronous: the adapters equal plain
     Lightning's on the same quantized model; the packed weights were never dequantized on the host."""
-    plain = QLoRA(saved, quant_type=quant_type, double=double, compute=compute)
+    plain = QLoRA(saved, sgd, quant_type=quant_type, double=double, compute=compute)
     start = adapters(plain)
     fit(plain, "auto", 1)
-    ours = QLoRA(saved, quant_type=quant_type, double=double, compute=compute)
+    ours = QLoRA(saved, sgd, quant_type=quant_type, double=double, compute=compute)
     packed = {n: p.detach().clone() for n, p in ours.named_parameters() if p.dtype == torch.uint8}
     assert packed and adapters(ours).equal(start)
     fit(ours, RoundPipeStrategy(num_microbatches=3, async_optimizer=False), 2)
