@@ -201,7 +201,7 @@ for step in "${steps[@]}"; do
       # them (about 90 s), then the defaults against blocking CUDA events, with the optimizer thread's trace (about 230 s),
       # then the defaults with OpenMP's idle threads sleeping instead of spinning (about 110 s)
       run host-step 150 python benchmarks/host_step.py --out "$OUT/host-step.json" \
-        --only math,cast,math-then-cast,math-then-cast+spinners,math-then-cast+sleepers,math-then-cast+dma,math-then-cast+python
+        --only math,cast,math-then-cast,math-then-cast+spinners,math-then-cast+sleepers,math-then-cast+dma,math-then-cast+python,device-cast,math-beside-device-cast,math-beside-upload
       run varlen-8-blocking 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-blocking --warmup 10 --steps 8 --host-trace --config-timeout 140 \
         --out "$OUT/varlen-8-blocking.json"

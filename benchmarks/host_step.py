@@ -17,7 +17,12 @@ each part costs and whether they overlap or share the memory bus:
 - ``math-then-cast+LOAD`` (CUDA): the same beside what else runs on the host during a training step:
   ``spinners`` (two threads waiting for GPU work through CUDA events, which spin a core each by default),
   ``sleepers`` (the same waits on blocking events, which sleep), ``dma`` (pinned copies up and down the PCIe
-  link without pause, each way on its own stream) and ``python`` (a thread running Python, holding the GIL).
+  link without pause, each way on its own stream) and ``python`` (a thread running Python, holding the GIL);
+- ``device-cast`` (CUDA): the cast done by the GPU instead (fp32 up, cast there, bf16 down into the pinned compute
+  copy: the same 6 bytes a parameter through host memory, by the copy engines rather than the cores; the masters
+  are page-locked for it, after the measurements above);
+  ``math-beside-device-cast``: each group's so, beside the next group's math; ``math-beside-upload``: only the
+  fp32 upload beside the math (the GPU keeping the compute copy itself).
 
 In a training step the optimizer thread's math and cast took 0.53 and 0.21 s where this measured 0.34 and
 0.12 alone (2026-12-04, seventeenth session): the loads say which neighbour costs what.
@@ -96,14 +101,15 @@ def timed(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def beside(groups: Groups, order: list[int]) -> None:
-    """Math on this thread, each group's cast on another as soon as its math is done."""
+def beside(groups: Groups, order: list[int], then: Callable[[int], None] | None = None) -> None:
+    """Math on this thread, each group's cast (or ``then``) on another as soon as its math is done."""
     ready: list[threading.Event] = [threading.Event() for _ in order]
+    follow = then or groups.cast
 
     def casts() -> None:
         for i, g in enumerate(order):
             ready[i].wait()
-            groups.cast(g)
+            follow(g)
 
     thread = threading.Thread(target=casts)
     thread.start()
@@ -111,6 +117,51 @@ def beside(groups: Groups, order: list[int]) -> None:
         groups.math(g)
         ready[i].set()
     thread.join()
+
+
+class DeviceCast:
+    """A group's master through the GPU in 64 MiB chunks, on two streams: up in fp32, cast there, and (``back``)
+    the bf16 copy down into the pinned compute copy; without ``back`` only the upload, as if the GPU kept the
+    compute copy itself. The host waits on blocking events (asleep, not spinning)."""
+
+    CHUNK = 16 << 20  # elements
+    registered = False
+
+    def __init__(self, groups: Groups, back: bool) -> None:
+        self.groups, self.back = groups, back
+        self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
+        self.staged = [torch.empty(self.CHUNK, device="cuda") for _ in range(2)]
+        self.cast = [torch.empty(self.CHUNK, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        self.free = [torch.cuda.Event(blocking=True) for _ in range(2)]
+        for event in self.free:
+            event.record(self.up)
+
+    def __call__(self, g: int) -> None:
+        if not DeviceCast.registered:  # the masters page-locked for the copy engines (the measurements before: not)
+            DeviceCast.registered = True
+            for t in self.groups.data:
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                assert int(err) == 0, f"cudaHostRegister failed with CUDA error {int(err)}"
+        data, compute = self.groups.data[g], self.groups.compute[g]
+        last = None
+        for i, lo in enumerate(range(0, data.numel(), self.CHUNK)):
+            hi, k = min(data.numel(), lo + self.CHUNK), i % 2
+            n = hi - lo
+            self.up.wait_event(self.free[k])
+            with torch.cuda.stream(self.up):
+                self.staged[k][:n].copy_(data[lo:hi], non_blocking=True)
+                self.cast[k][:n].copy_(self.staged[k][:n])
+            last = torch.cuda.Event(blocking=True)
+            last.record(self.up)
+            if self.back:
+                self.down.wait_event(last)
+                with torch.cuda.stream(self.down):
+                    compute[lo:hi].copy_(self.cast[k][:n], non_blocking=True)
+                last = torch.cuda.Event(blocking=True)
+                last.record(self.down)
+            self.free[k] = last
+        if last is not None:
+            last.synchronize()
 
 
 def sliced_cast(groups: Groups, order: list[int], threads: int) -> None:
@@ -127,21 +178,36 @@ def sliced_cast(groups: Groups, order: list[int], threads: int) -> None:
 
 
 class Load:
-    """A neighbour running beside a measurement: threads started on entry, stopped on exit."""
+    """A neighbour running beside a measurement: threads started on entry (the measurement begins once each is
+    under way: buffers allocated once, before), stopped on exit."""
+
+    buffers: tuple[Any, ...] | None = None
 
     def __init__(self, kind: str) -> None:
-        self.kind, self.stop, self.threads = kind, threading.Event(), []
+        self.kind, self.stop, self.threads, self.running = kind, threading.Event(), [], []
 
     def __enter__(self) -> Load:
+        targets: list[Callable[..., None]] = []
         if self.kind in ("spinners", "sleepers"):
-            for _ in range(2):
-                self.threads.append(threading.Thread(target=self._wait_on_gpu, args=(self.kind == "sleepers",)))
+            targets = [self._wait_on_gpu] * 2
         elif self.kind == "dma":
-            self.threads.append(threading.Thread(target=self._copies))
+            if Load.buffers is None:
+                n = 1 << 28  # 1 GiB of fp32 each way
+                Load.buffers = (
+                    torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True),
+                    torch.empty(n, device="cuda"), torch.empty(n, device="cuda"),
+                )  # fmt: skip
+            targets = [self._copies]
         elif self.kind == "python":
-            self.threads.append(threading.Thread(target=self._python))
+            targets = [self._python]
+        for target in targets:
+            running = threading.Event()
+            self.running.append(running)
+            self.threads.append(threading.Thread(target=target, args=(running,)))
         for t in self.threads:
             t.start()
+        for running in self.running:
+            running.wait()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -149,31 +215,34 @@ class Load:
         for t in self.threads:
             t.join()
 
-    def _wait_on_gpu(self, blocking: bool) -> None:
+    def _wait_on_gpu(self, running: threading.Event) -> None:
+        blocking = self.kind == "sleepers"
         with torch.cuda.stream(torch.cuda.Stream()):
             while not self.stop.is_set():
                 torch.cuda._sleep(50_000_000)  # tens of milliseconds of one GPU thread
                 event = torch.cuda.Event(blocking=blocking)
                 event.record()
+                running.set()
                 event.synchronize()
 
-    def _copies(self) -> None:
-        n = 1 << 28  # 1 GiB of fp32 each way
-        up, down = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
-        on_device = [torch.empty(n, device="cuda"), torch.empty(n, device="cuda")]
+    def _copies(self, running: threading.Event) -> None:
+        assert Load.buffers is not None
+        up, down, first, second = Load.buffers
         streams = [torch.cuda.Stream(), torch.cuda.Stream()]
         while not self.stop.is_set():
             with torch.cuda.stream(streams[0]):
-                on_device[0].copy_(up, non_blocking=True)
+                first.copy_(up, non_blocking=True)
             with torch.cuda.stream(streams[1]):
-                down.copy_(on_device[1], non_blocking=True)
+                down.copy_(second, non_blocking=True)
+            running.set()
             for stream in streams:
                 event = torch.cuda.Event(blocking=True)
                 event.record(stream)
                 event.synchronize()
 
-    def _python(self) -> None:
+    def _python(self, running: threading.Event) -> None:
         count = 0
+        running.set()
         while not self.stop.is_set():
             count += 1
 
@@ -229,6 +298,10 @@ def main() -> None:
     if torch.cuda.is_available():
         for kind in ("spinners", "sleepers", "dma", "python"):
             runs[f"math-then-cast+{kind}"] = beside_load(kind)
+        through_device, up_only = DeviceCast(groups, back=True), DeviceCast(groups, back=False)
+        runs["device-cast"] = lambda: [through_device(g) for g in order] and None
+        runs["math-beside-device-cast"] = lambda: beside(groups, order, through_device)
+        runs["math-beside-upload"] = lambda: beside(groups, order, up_only)
     if args.only:
         runs = {name: runs[name] for name in args.only.split(",")}
     seconds = {name: timed(fn, args.repeats) for name, fn in runs.items()}
