@@ -333,6 +333,9 @@ class Clock(L.Callback):
             used = self._nvml()
             if used is not None:
                 self.nvml_gib.append(used)
+            # when the card's memory grows: NVML and the caching allocator's reserve at each step's end
+            self.step_log[-1]["nvml_gib"] = None if used is None else round(used, 2)
+            self.step_log[-1]["reserved_gib"] = round(torch.cuda.memory_reserved(0) / GiB, 2)
         if outputs is not None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning's is divided by it
