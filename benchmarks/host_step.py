@@ -37,12 +37,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pcie import timed  # best wall time after one warm-up
 
 BLOCK = 50_331_648  # one Qwen3-1.7B decoder block's parameters (rounded to a multiple of 2**20)
 EMBEDDING = 151_936 * 2048  # the tied embedding and LM head
@@ -89,16 +95,6 @@ class Groups:
                 maximize=False,
             )  # fmt: skip
             self.cast(g, lo, hi)
-
-
-def timed(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def beside(groups: Groups, order: list[int], then: Callable[[int], None] | None = None) -> None:

@@ -84,6 +84,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import psutil
@@ -599,18 +600,13 @@ def experiment(config: str) -> Iterator[None]:
     if config == "newcomer-blocking":  # host waits on the engine's CUDA events sleep instead of spinning a core
         from lightning_roundpipe.runtime.device import CudaWorkerDevice
 
-        record = CudaWorkerDevice.record
-
         def blocking(self: CudaWorkerDevice, stream: Any) -> Any:
             event = torch.cuda.Event(blocking=True)
             event.record(stream)
             return event
 
-        CudaWorkerDevice.record = blocking  # type: ignore[method-assign]
-        try:
+        with mock.patch.object(CudaWorkerDevice, "record", blocking):
             yield
-        finally:
-            CudaWorkerDevice.record = record  # type: ignore[method-assign]
         return
     if config.startswith("newcomer-host"):  # the optimizer thread's intra-op threads (torch's are per thread)
         from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
@@ -622,11 +618,8 @@ def experiment(config: str) -> Iterator[None]:
                 torch.set_num_threads(threads)
             run(self, job)
 
-        OptimizerWorker._run = _run  # type: ignore[method-assign]
-        try:
+        with mock.patch.object(OptimizerWorker, "_run", _run):
             yield
-        finally:
-            OptimizerWorker._run = run  # type: ignore[method-assign]
         return
     if config.startswith("newcomer-width"):
         from lightning_roundpipe.models.hf.tokens import TokenSplit
