@@ -26,6 +26,7 @@ from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 from lightning_roundpipe.runtime.replicas import plain_attributes
+from lightning_roundpipe.runtime.update_casts import UpdateCasts
 from lightning_roundpipe.runtime.workers import Task, WorkerPool
 from lightning_roundpipe.schedule.plan import StagePlan
 
@@ -45,6 +46,7 @@ class Crew:
         overlap: str,
         max_inflight: int,
         asynchronous: bool,
+        casts: str = "host",
     ) -> None:
         self.layers = layers
         self.devices = list(devices)
@@ -70,7 +72,10 @@ class Crew:
                 device, store, layers, plan, base_seed, autocast_dtype, collector, self.on_error, overlap, max_inflight
             )
             self.executors.append(executor)
-        self.optimizer = OptimizerWorker(store, self.on_error) if asynchronous else None
+        self.optimizer = None
+        if asynchronous:  # "device": the update casts that change dtype go to the workers' devices
+            offload = UpdateCasts([d.device for d in self.devices], self.on_error) if casts == "device" else None
+            self.optimizer = OptimizerWorker(store, self.on_error, casts=offload)
         self._threads = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(len(self.devices))],
             [d.enter_thread for d in self.devices],

@@ -143,14 +143,15 @@ class HostStore:
         self._refresh(group)
         return refs
 
-    def refresh_group(self, index: int, step: int = 0) -> None:
+    def refresh_group(self, index: int, step: int = 0, copy: Callable[[Tensor, Tensor], Any] = Tensor.copy_) -> None:
         """Cast one group's master into the compute copy step ``step`` reads (the asynchronous
-        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity)."""
+        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity) with ``copy(dst, src)``
+        (a device's cast: :mod:`~lightning_roundpipe.runtime.update_casts`)."""
         group = self.groups[index]
         if group.spare is not None and step % 2:
-            group.spare.copy_(group.data)
+            copy(group.spare, group.data)
             return
-        self._refresh(group)
+        self._refresh(group, copy)
 
     def add_spares(
         self, groups: Iterable[int] | None = None, prepare: Callable[[Tensor], Any] | None = None
@@ -173,9 +174,9 @@ class HostStore:
         group = self.groups[index]
         return group.spare if group.spare is not None and step % 2 else group.compute
 
-    def _refresh(self, group: FlatGroup) -> None:
+    def _refresh(self, group: FlatGroup, copy: Callable[[Tensor, Tensor], Any] = Tensor.copy_) -> None:
         if group.compute is not group.data:
-            group.compute.copy_(group.data)
+            copy(group.compute, group.data)
         group.synced_version = group.version()
         group.dirty = False
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import math
 import queue
 import threading
@@ -36,6 +37,7 @@ from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.update_casts import UpdateCasts
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
 
@@ -109,14 +111,18 @@ class OptimizerWorker:
         on_error: Callable[[BaseException], None],
         trace: list[tuple[Any, ...]] | None = None,
         exchange: NodeExchange | None = None,
+        casts: UpdateCasts | None = None,
     ) -> None:
         self.store = store
+        self.casts = casts
+        """Casts that change dtype go to a device (:mod:`~lightning_roundpipe.runtime.update_casts`)."""
         self.exchange = exchange
         """Several nodes: gradients go to each group's owner, which updates it and broadcasts the weights."""
         self.trace = trace
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
+        self._previous: UpdateJob | None = None
         self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
         self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
         """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
@@ -132,11 +138,15 @@ class OptimizerWorker:
         self._thread.start()
 
     def submit(self, job: UpdateJob) -> None:
-        self._last = job
+        self._previous, self._last = self._last, job
         self._jobs.put(job)
 
     def wait_math(self) -> None:
-        """Wait until every submitted update changed the masters (casts may still be pending)."""
+        """Wait until every submitted update changed the masters and every update before the last reached the
+        compute copies (the last one's casts may still be pending). On the host's thread the second follows
+        from the first; a device's casts may land after the next update's math."""
+        if self._previous is not None:
+            self._previous.finished.wait()
         if self._last is not None:
             self._last.math_done.wait()
 
@@ -167,7 +177,8 @@ class OptimizerWorker:
     def close(self, timeout: float = 30.0) -> bool:
         self._jobs.put(None)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        closed = not self._thread.is_alive()
+        return (self.casts is None or self.casts.close(timeout)) and closed
 
     def _loop(self) -> None:
         while True:
@@ -184,7 +195,10 @@ class OptimizerWorker:
                 if not self._decision(job.step).is_set():  # no decision (not scaled, or cut short)
                     self.decide(job.step, None)
                 job.math_done.set()
-                job.finished.set()
+                if self.casts is not None:
+                    self.casts.after(job.finished.set)  # once its casts landed
+                else:
+                    job.finished.set()
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
@@ -195,8 +209,11 @@ class OptimizerWorker:
             return
         # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
-        spare = [g for g in job.groups if self.store.groups[g].spare is not None]
-        single = [g for g in job.groups if self.store.groups[g].spare is None]
+        order = job.groups
+        if self.casts is not None:  # issuing takes no time here: shallow first, as the next forward reads them
+            order = tuple(sorted(order, key=lambda g: (self.store.groups[g].layer, g)))
+        spare = [g for g in order if self.store.groups[g].spare is not None]
+        single = [g for g in order if self.store.groups[g].spare is None]
         for g in spare:
             for flight in job.window.flights if job.window is not None else ():
                 flight.wait_uploaded(g)
@@ -209,8 +226,12 @@ class OptimizerWorker:
             self._cast(job, g)
 
     def _cast(self, job: UpdateJob, g: int) -> None:
-        self.store.refresh_group(g, job.step + 2)
-        job.cast_done[g].set()
+        group = self.store.groups[g]
+        if self.casts is not None and self.casts.takes(group.compute, group.data):
+            self.store.refresh_group(g, job.step + 2, functools.partial(self.casts.cast, g, then=job.cast_done[g].set))
+        else:
+            self.store.refresh_group(g, job.step + 2)
+            job.cast_done[g].set()
         if self.trace is not None:
             self.trace.append(("cast", job.step, g, time.perf_counter()))
 
@@ -262,6 +283,8 @@ class OptimizerWorker:
                 grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
             elif coefficient < 1.0:
                 grad.mul_(coefficient)
+            if self.casts is not None:
+                self.casts.before_write(g)  # the device has read the previous update from it
             self._step_group(shadow, shadows_of, g)
             job.consumed[g].set()
             end = time.perf_counter()
@@ -269,6 +292,8 @@ class OptimizerWorker:
             if self.trace is not None:
                 self.trace.append(("update", job.step, g, start, end))
         if exchange is not None:
+            for g in job.groups if self.casts is not None else ():
+                self.casts.before_write(g)
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
         self.last_update = (job.step, working)  # one assignment: a reader never pairs two steps
 
