@@ -31,6 +31,8 @@
 #        varlen-8-shapes (issue 39: 8 a step: packed, one micro-batch, widths rounded) varlen-packed varlen-packed-24gib
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
+#        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
+#        device-casts device-casts-24gib (issue 39: the GPU's update casts against the optimizer thread's)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
@@ -207,6 +209,30 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-8-blocking.json"
       OMP_WAIT_POLICY=PASSIVE run varlen-8-omp-passive 150 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer --warmup 10 --steps 8 --host-trace --config-timeout 140 --out "$OUT/varlen-8-omp-passive.json" ;;
+    device-casts)  # issue 39: the update casts done by the GPU (cast_updates="device") against the optimizer thread's
+      # own (the default): 8 a step of 256..4096 tokens with plain compiled blocks in the same call (about 260 s), then
+      # 32 x 2048 a step on the full card (about 200 s)
+      run varlen-8-casts 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
+        --configs newcomer,newcomer-cast-device,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
+        --out "$OUT/varlen-8-casts.json"
+      run fixed-32-casts 260 python benchmarks/lightning_user.py --configs newcomer,newcomer-cast-device --warmup 10 \
+        --steps 6 --config-timeout 130 --out "$OUT/fixed-32-casts.json" ;;
+    device-casts-24gib)  # issue 39 at 24 GiB, the same two (about 500 s)
+      run fixed-32-casts-24gib 300 python benchmarks/lightning_user.py --gpu-gib 24 \
+        --configs newcomer,newcomer-cast-device --warmup 26 --steps 6 --config-timeout 140 \
+        --out "$OUT/fixed-32-casts-24gib.json"
+      run varlen-8-casts-24gib 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer,newcomer-cast-device --warmup 26 --steps 8 --host-trace --config-timeout 140 \
+        --out "$OUT/varlen-8-casts-24gib.json" ;;
+    varlen-24gib-gc)  # issue 39: at 24 GiB the allocator's reserve crept up with the lengths (16.8 to 20.4 GiB over 30
+      # steps at 8 a step, 2026-12-04) past the plan's 19.2: torch's garbage collection of cached blocks from 0.8 of the
+      # cap (where the plan's limit is) on, 8 then 32 a step (about 300 s)
+      export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,garbage_collection_threshold:0.8
+      run varlen-8-24gib-gc 150 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer --warmup 26 --steps 8 --config-timeout 140 --out "$OUT/varlen-8-24gib-gc.json"
+      run varlen-32-24gib-gc 220 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer --warmup 14 --steps 4 --config-timeout 210 --out "$OUT/varlen-32-24gib-gc.json"
+      unset PYTORCH_CUDA_ALLOC_CONF ;;
     varlen-expandable)  # issue 39: 32 a step, full card, the allocator's expandable segments (fragmentation). About 200 s
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run varlen-32-expandable 210 python benchmarks/lightning_user.py \
         --varlen 256,4096 --configs newcomer --seqs 32 --warmup 10 --steps 4 --config-timeout 200 \
