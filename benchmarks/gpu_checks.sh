@@ -33,6 +33,7 @@
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
 #        host-casts (issue 39: the engine's device casts beside the math, alone; pinned by allocation or in place)
+#        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
 #        device-casts device-casts-24gib (issue 39: the GPU's update casts against the optimizer thread's)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
 #        liger-profile (issue 41: plain-liger's speed)
@@ -212,11 +213,20 @@ for step in "${steps[@]}"; do
         --configs newcomer --warmup 10 --steps 8 --host-trace --config-timeout 140 --out "$OUT/varlen-8-omp-passive.json" ;;
     host-casts)  # issue 39: the engine's UpdateCasts alone beside the math (queueing expected near 0 s, math beside
       # the casts near 0.42 s), then math and cast with the compute copies pinned by allocation (0.34 + 0.12 s on
-      # 2026-12-03's lease against 0.41 + 0.15 registered on 2026-12-04's): about 150 s
+      # 2026-12-03's lease against 0.41 + 0.15 registered on 2026-12-04's), then math and cast beside a Python thread
+      # with a tenth of the default switch interval (1.79 s at the default: expected near 0.6 s if the GIL's
+      # hand-back was the cost): about 230 s
       run host-casts 100 python benchmarks/host_step.py --out "$OUT/host-casts.json" \
         --only math,cast,math-then-cast,device-cast,math-beside-device-cast,engine-casts,engine-casts-beside
       run host-allocated 70 python benchmarks/host_step.py --pin allocated --only math,cast \
-        --out "$OUT/host-allocated.json" ;;
+        --out "$OUT/host-allocated.json"
+      run host-switch 80 python benchmarks/host_step.py --switch-interval 0.0005 \
+        --only math-then-cast,math-then-cast+python --out "$OUT/host-switch.json" ;;
+    varlen-8-switch)  # issue 39: 8 a step with the interpreter's switch interval at 0.5 ms against the default 5 ms, the
+      # optimizer thread traced (about 160 s): worth it only if host-switch showed the GIL's hand-back costing
+      run varlen-8-switch 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,newcomer-switch500 --warmup 10 --steps 8 --host-trace --config-timeout 130 \
+        --out "$OUT/varlen-8-switch.json" ;;
     device-casts)  # issue 39: the update casts done by the GPU (cast_updates="device") against the optimizer thread's
       # own (the default): 8 a step of 256..4096 tokens with plain compiled blocks in the same call (about 260 s), then
       # 32 x 2048 a step on the full card (about 200 s)

@@ -296,9 +296,16 @@ def main() -> None:
         help="CUDA: compute copies and gradients page-locked in place as the engine does, or compute copies"
         " allocated pinned (the first run, 2026-12-04), or nothing pinned",
     )  # fmt: skip
+    parser.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="the interpreter's switch interval in seconds (default 0.005): how long a thread that wants the GIL"
+        " back may wait for one running Python",
+    )  # fmt: skip
     parser.add_argument("--only", default="", help="comma-separated names of the measurements to run (all: empty)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     sizes = [int(EMBEDDING * args.scale)] + [int(BLOCK * args.scale)] * args.blocks
     pin = args.pin if torch.cuda.is_available() else "none"
     start = time.perf_counter()
@@ -359,6 +366,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads_main": torch.get_num_threads(),
         "threads_other": seen.get("threads"),
+        "switch_interval_s": sys.getswitchinterval(),
         "built_s": built_s,
         "seconds": seconds,
         "gb_per_s": {  # memcpy: read and write; math: param and both moments read and written, gradient read

@@ -25,6 +25,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
   micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
 - ``newcomer-hostN``: the defaults with the optimizer thread's intra-op threads set to N (an experiment);
+  ``newcomer-switchN``: the interpreter's switch interval set to N microseconds (an experiment: a thread running
+  Python slowed the host step 3.2x in ``host_step.py``, each of the step's many torch calls waiting up to the
+  default 5 ms for the GIL);
   ``newcomer-blocking``: the engine's CUDA events made blocking, so that host threads waiting on them sleep
   instead of spinning a core each (an experiment: the host step ran 1.6x slower inside training than alone);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
@@ -376,7 +379,8 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return deepspeed_strategy(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    if config in same or config == "newcomer-blocking" or config.startswith(("newcomer-width", "newcomer-host")):
+    same += ("newcomer-blocking",)
+    if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
@@ -624,6 +628,14 @@ def experiment(config: str) -> Iterator[None]:
 
         with mock.patch.object(OptimizerWorker, "_run", _run):
             yield
+        return
+    if config.startswith("newcomer-switch"):  # the interpreter's switch interval in microseconds (default 5000)
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(int(config.removeprefix("newcomer-switch")) * 1e-6)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(before)
         return
     if config.startswith("newcomer-width"):
         from lightning_roundpipe.models.hf.tokens import TokenSplit
