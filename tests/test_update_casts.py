@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import copy
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BoringPipeline, fit, flat_weights
+from helpers import BoringPipeline, boring_data, fit, flat_weights
 from torch import nn
 
 from lightning_roundpipe import RoundPipeStrategy
@@ -193,3 +194,28 @@ def test_gpu_device_casts_give_the_host_casts_weights():
     host = train(copy.deepcopy(model), [CudaWorkerDevice("cuda:0", i) for i in range(2)], casts="host", **kwargs)
     device = train(copy.deepcopy(model), [CudaWorkerDevice("cuda:0", i) for i in range(2)], casts="device", **kwargs)
     assert torch.equal(device, host)
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_saved_during_validation_with_device_casts_resumes_as_the_hosts(tmp_path, monkeypatch):
+    """The checkpoint keeps the compute copies the next step reads while late device casts are landing."""
+
+    def run(directory, epochs, cast, ckpt=None):
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline(width=32)
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", cast_updates=cast),
+            accelerator="cpu", devices=2, max_epochs=epochs, precision="bf16-mixed", logger=False,
+            enable_progress_bar=False, enable_model_summary=False, check_val_every_n_epoch=2,
+            num_sanity_val_steps=0,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, boring_data(), boring_data(24), ckpt_path=ckpt)
+        return flat_weights(module)
+
+    straight = run(tmp_path / "a", 4, "host")
+    monkeypatch.setattr(casts_module, "ThreadCaster", CountingCaster)
+    assert torch.equal(run(tmp_path / "b", 4, "device", ckpt=str(tmp_path / "a" / "epoch=1.ckpt")), straight)
+    assert torch.equal(run(tmp_path / "c", 4, "device"), straight)
+    resumed = run(tmp_path / "d", 4, "host", ckpt=str(tmp_path / "c" / "epoch=1.ckpt"))
+    assert torch.equal(resumed, straight)
