@@ -58,6 +58,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _driver import run_configs, write
+from _zero import zero_offload
 from bubble_check import Tokens
 from qwen3_shape import SHAPES, Block, build, flops_per_token, init, num_parameters, split_blocks
 
@@ -178,7 +179,7 @@ def strategy_for(
     capped: bool = False,
 ) -> tuple[Any, str]:
     """The Lightning strategy and optimizer of ``config``; ``capped``: the card is capped (``--gpu-gib``)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy
 
     if config == "plain":
         return "auto", "fused-adamw"
@@ -194,18 +195,8 @@ def strategy_for(
             mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.float32),  # fp32 rotary tables
         )  # fmt: skip
         return strategy, "fused-adamw"
-    # large buckets are DeepSpeed's fast setting on a full card; under a memory cap they cost it memory
-    bucket = int(2e8) if capped else int(5e8)
-    common = dict(
-        pin_memory=True, allgather_bucket_size=bucket, reduce_bucket_size=bucket,
-        logging_batch_size_per_gpu=micro_batch,
-    )  # fmt: skip
-    if config == "zero3-offload":
-        return DeepSpeedStrategy(
-            stage=3, offload_optimizer=True, offload_parameters=True, **common
-        ), "deepspeed-cpu-adam"
-    if config == "zero2-offload":
-        return DeepSpeedStrategy(stage=2, offload_optimizer=True, **common), "deepspeed-cpu-adam"
+    if config in ("zero2-offload", "zero3-offload"):
+        return zero_offload(int(config[4]), capped, logging_batch_size_per_gpu=micro_batch), "deepspeed-cpu-adam"
     raise ValueError(f"unknown configuration {config!r}; choose from {CONFIGS}")
 
 

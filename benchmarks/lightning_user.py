@@ -99,6 +99,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _driver import add_in_process_flag, run_or_drive, write
+from _zero import zero_offload
 from qwen3_shape import SHAPES, Shape, flops_per_token, init_hf, num_parameters
 
 from lightning_roundpipe import RoundPipeStrategy
@@ -377,7 +378,7 @@ def strategy_for(
     ):
         return "auto", True
     if config.startswith(("zero2-offload", "zero3-offload")):
-        return deepspeed_strategy(int(config[4]), capped), False
+        return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
     same += ("newcomer-blocking",)
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
@@ -413,19 +414,6 @@ def strategy_for(
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
-
-
-def deepspeed_strategy(stage: int, capped: bool) -> Any:
-    """ZeRO-Offload (stage 2) or ZeRO-3 with the parameters offloaded too, pinned; as ``baselines.py`` has
-    them (large buckets on a full card, smaller ones under a cap, where they cost memory)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    bucket = int(2e8) if capped else int(5e8)
-    offload = {"offload_parameters": True} if stage == 3 else {}
-    return DeepSpeedStrategy(
-        stage=stage, offload_optimizer=True, pin_memory=True, allgather_bucket_size=bucket, reduce_bucket_size=bucket,
-        **offload,
-    )  # fmt: skip
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
