@@ -169,6 +169,11 @@ class RoundPipeOptions:
             raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
         if self.cast_updates not in CAST_UPDATES:
             raise ValueError(f"RoundPipeStrategy(cast_updates={self.cast_updates!r}) must be one of {CAST_UPDATES}")
+        if self.cast_updates == "device" and not self.async_optimizer:
+            raise ValueError(
+                "RoundPipeStrategy(cast_updates='device') moves the asynchronous optimizer's casts; it needs"
+                " async_optimizer=True"
+            )
         compile_options(self.compile)
         self.gpu_memory = parse_memory(self.gpu_memory)
         given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)

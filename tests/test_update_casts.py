@@ -17,8 +17,10 @@ from torch import nn
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
+from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
 from lightning_roundpipe.runtime import update_casts as casts_module
 from lightning_roundpipe.runtime.device import CudaWorkerDevice
+from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
@@ -150,8 +152,73 @@ def test_casts_that_keep_the_dtype_stay_on_the_host():
 def test_the_option_is_checked():
     with pytest.raises(ValueError, match="cast_updates='gpu'"):
         RoundPipeStrategy(cast_updates="gpu")
+    with pytest.raises(ValueError, match="needs async_optimizer=True"):
+        RoundPipeStrategy(cast_updates="device", async_optimizer=False)
     with pytest.raises(ValueError, match="casts='gpu'"):
         PipelineEngine(list(mlp().children()), [WorkerDevice("cpu", 0)], asynchronous=True, casts="gpu")
+    with pytest.raises(ValueError, match="asynchronous=True"):
+        PipelineEngine(list(mlp().children()), [WorkerDevice("cpu", 0)], casts="device")
+
+
+@pytest.mark.timeout(30)
+def test_the_casts_thread_outlives_a_failing_report():
+    """Whatever reporting an error does, the thread goes on: the optimizer thread and ``flush`` wait on it."""
+
+    def report(error: BaseException) -> None:
+        raise RuntimeError("the report itself failed")
+
+    class Broken(casts_module.ThreadCaster):
+        def run(self, dst, src, read):
+            raise ValueError("cast failed")
+
+    casts = casts_module.UpdateCasts([torch.device("cpu")], report)
+    casts._casters = [Broken()]
+    src, dst, landed = torch.ones(4), torch.zeros(4, dtype=torch.bfloat16), []
+    casts.cast(0, dst, src, lambda: landed.append(0))
+    casts.before_write(0)  # returns: the read is marked done even though the cast failed
+    casts._casters = [casts_module.ThreadCaster()]
+    casts.cast(1, dst, src, lambda: landed.append(1))
+    casts.before_write(1)
+    assert casts.close() and landed == [0, 1] and torch.equal(dst, src.to(torch.bfloat16))
+    assert [type(e) for e in casts.errors] == [ValueError, RuntimeError]
+
+
+@pytest.mark.timeout(60)
+def test_device_casts_go_shallow_first_once_their_copies_are_free(monkeypatch):
+    """One worker, every layer in one fused stage: each group is uploaded once, at the step's start, so all of an
+    update's casts are free together and go in the order the next forward reads them; the host's own casts keep
+    the update's order (deep first)."""
+    order: list[int] = []
+
+    class Recording(casts_module.ThreadCaster):
+        def run(self, dst, src, read):
+            order.append(src.numel())
+            super().run(dst, src, read)
+
+    monkeypatch.setattr(casts_module, "ThreadCaster", Recording)
+    cast_after = optimizer_module.OptimizerWorker._cast_after
+
+    def when_all_free(self, job, groups, flights):  # the next step's uploads done first: no race in the test
+        for flight in flights:
+            for g in groups:
+                flight.wait_uploaded(g)
+        cast_after(self, job, groups, flights)
+
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast_after", when_all_free)
+    model = mlp()
+    sizes = [layer.weight.numel() + layer.bias.numel() for layer in model if isinstance(layer, nn.Linear)]
+    train(copy.deepcopy(model), [WorkerDevice("cpu", 0)], steps=4, per_step=1, plan=StagePlan.parse("|7"),
+          casts="device")  # fmt: skip
+    assert len(order) >= 2 * len(sizes) and order[: 2 * len(sizes)] == sizes * 2
+    refresh, on_host = HostStore.refresh_group, []
+
+    def recorded(self, index, step=0, copy=torch.Tensor.copy_):
+        on_host.append(self.groups[index].data.numel())
+        refresh(self, index, step, copy)
+
+    monkeypatch.setattr(HostStore, "refresh_group", recorded)
+    train(copy.deepcopy(model), [WorkerDevice("cpu", 0)], steps=4, per_step=1, plan=StagePlan.parse("|7"))
+    assert on_host[: 2 * len(sizes)] == sizes[::-1] * 2
 
 
 @pytest.mark.timeout(120)

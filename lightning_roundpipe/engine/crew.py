@@ -74,7 +74,11 @@ class Crew:
             self.executors.append(executor)
         self.optimizer = None
         if asynchronous:  # "device": the update casts that change dtype go to the workers' devices
-            offload = UpdateCasts([d.device for d in self.devices], self.on_error) if casts == "device" else None
+            offload = None
+            if casts == "device":
+                cast = [g for g in store.groups if g.trainable and UpdateCasts.takes(g.compute, g.data)]
+                dtypes = sorted({t.dtype for g in cast for t in (g.data, g.compute)}, key=str)
+                offload = UpdateCasts([d.device for d in self.devices], self.on_error, dtypes)
             self.optimizer = OptimizerWorker(store, self.on_error, casts=offload)
         self._threads = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(len(self.devices))],

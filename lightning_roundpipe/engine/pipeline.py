@@ -377,6 +377,8 @@ def _check_arguments(
         raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
     if engine.casts not in CASTS:
         raise ValueError(f"casts={engine.casts!r} is not one of {CASTS}")
+    if engine.casts == "device" and not engine.asynchronous:
+        raise ValueError("casts='device' is for the asynchronous optimizer's casts (asynchronous=True)")
     if engine.consistency not in ("layerwise", "barrier"):
         raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
     if double_buffer != "none" and not engine.asynchronous:

@@ -177,8 +177,9 @@ class OptimizerWorker:
     def close(self, timeout: float = 30.0) -> bool:
         self._jobs.put(None)
         self._thread.join(timeout)
-        closed = not self._thread.is_alive()
-        return (self.casts is None or self.casts.close(timeout)) and closed
+        if self._thread.is_alive():
+            return False  # the casts' thread stays: a cast this thread still queues would wait for it
+        return self.casts is None or self.casts.close(timeout)
 
     def _loop(self) -> None:
         while True:
@@ -209,21 +210,28 @@ class OptimizerWorker:
             return
         # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
-        order = job.groups
-        if self.casts is not None:  # issuing takes no time here: shallow first, as the next forward reads them
-            order = tuple(sorted(order, key=lambda g: (self.store.groups[g].layer, g)))
-        spare = [g for g in order if self.store.groups[g].spare is not None]
-        single = [g for g in order if self.store.groups[g].spare is None]
-        for g in spare:
-            for flight in job.window.flights if job.window is not None else ():
-                flight.wait_uploaded(g)
-            self._cast(job, g)
+        spare = [g for g in job.groups if self.store.groups[g].spare is not None]
+        single = [g for g in job.groups if self.store.groups[g].spare is None]
+        if spare:
+            self._cast_after(job, spare, job.window.flights if job.window is not None else [])
         if single:
             job.next_window.closed.wait()
-        for g in single:
-            for flight in job.next_window.flights:
-                flight.wait_uploaded(g)
-            self._cast(job, g)
+            self._cast_after(job, single, job.next_window.flights)
+
+    def _cast_after(self, job: UpdateJob, groups: list[int], flights: list[Any]) -> None:
+        """Cast ``groups`` (deep first) once ``flights`` no longer read their copies. Queueing a device's cast
+        takes no time: the groups already free go at once, shallow first, as the next forward reads them;
+        waiting is for the deepest still read, as a backward frees them."""
+        left = list(groups)
+        while left:
+            ready = [g for g in left if all(f.uploaded(g) for f in flights)] if self.casts is not None else []
+            if not ready:
+                for flight in flights:
+                    flight.wait_uploaded(left[0])
+                ready = [left[0]]
+            for g in sorted(ready, key=lambda g: (self.store.groups[g].layer, g)):
+                self._cast(job, g)
+                left.remove(g)
 
     def _cast(self, job: UpdateJob, g: int) -> None:
         group = self.store.groups[g]

@@ -16,6 +16,7 @@ once its compute copy is written (a finisher thread waits for the device, asleep
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -36,11 +37,14 @@ CHUNK = 8 << 20
 class CudaCaster:
     """One CUDA device's part: a stream up (copy and cast), a stream down, two staging chunks."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtypes: Sequence[torch.dtype] = ()) -> None:
         self.device = device
         self.up: torch.cuda.Stream | None = None
         self.down: torch.cuda.Stream | None = None
         self.staged: dict[tuple[int, torch.dtype], Tensor] = {}
+        for dtype in dtypes:  # now, with the engine: not mid-step, where the card may be full
+            for slot in (0, 1):
+                self._buffer(slot, dtype)
 
     def _buffer(self, slot: int, dtype: torch.dtype) -> Tensor:
         key = (slot, dtype)
@@ -56,26 +60,38 @@ class CudaCaster:
             if self.up is None:
                 low, _ = torch.cuda.Stream.priority_range()
                 self.up, self.down = torch.cuda.Stream(priority=low), torch.cuda.Stream(priority=low)
-            free: list[torch.cuda.Event | None] = [None, None]
-            for i, lo in enumerate(range(0, src.numel(), CHUNK)):
-                hi, slot = min(src.numel(), lo + CHUNK), i % 2
-                staged, cast = self._buffer(slot, src.dtype)[: hi - lo], self._buffer(slot, dst.dtype)[: hi - lo]
-                if free[slot] is not None:
-                    self.up.wait_event(free[slot])  # the slot's last copy down has left
-                with torch.cuda.stream(self.up):
-                    staged.copy_(src[lo:hi], non_blocking=True)
-                    cast.copy_(staged)
-                casted = torch.cuda.Event(blocking=True)
-                casted.record(self.up)
-                self.down.wait_event(casted)
-                with torch.cuda.stream(self.down):
-                    dst[lo:hi].copy_(cast, non_blocking=True)
-                free[slot] = torch.cuda.Event(blocking=True)
-                free[slot].record(self.down)
+            try:
+                self._issue(dst, src, read)
+            except BaseException:
+                # what was queued still reads the master and writes the copy and the staging buffers: let it
+                # finish before the caller opens the gates (best effort: the device may be what failed)
+                with contextlib.suppress(BaseException):
+                    self.up.synchronize()
+                    self.down.synchronize()
+                raise
+
+    def _issue(self, dst: Tensor, src: Tensor, read: Wait) -> None:
+        assert self.up is not None and self.down is not None
+        free: list[torch.cuda.Event | None] = [None, None]
+        for i, lo in enumerate(range(0, src.numel(), CHUNK)):
+            hi, slot = min(src.numel(), lo + CHUNK), i % 2
+            staged, cast = self._buffer(slot, src.dtype)[: hi - lo], self._buffer(slot, dst.dtype)[: hi - lo]
+            if free[slot] is not None:
+                self.up.wait_event(free[slot])  # the slot's last copy down has left
+            with torch.cuda.stream(self.up):
+                staged.copy_(src[lo:hi], non_blocking=True)
+                cast.copy_(staged)
             casted = torch.cuda.Event(blocking=True)
             casted.record(self.up)
-            landed = torch.cuda.Event(blocking=True)
-            landed.record(self.down)
+            self.down.wait_event(casted)
+            with torch.cuda.stream(self.down):
+                dst[lo:hi].copy_(cast, non_blocking=True)
+            free[slot] = torch.cuda.Event(blocking=True)
+            free[slot].record(self.down)
+        casted = torch.cuda.Event(blocking=True)
+        casted.record(self.up)
+        landed = torch.cuda.Event(blocking=True)
+        landed.record(self.down)
         casted.synchronize()
         read()
         landed.synchronize()
@@ -100,9 +116,17 @@ class UpdateCasts:
     through CUDA blocked for as long as the copies took: 0.16 s a step on the optimizer thread, H200,
     2026-12-04); groups spread over the devices by index."""
 
-    def __init__(self, devices: Sequence[torch.device], on_error: Callable[[BaseException], None]) -> None:
-        self._casters = [CudaCaster(d) if d.type == "cuda" else ThreadCaster() for d in devices]
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        on_error: Callable[[BaseException], None],
+        dtypes: Sequence[torch.dtype] = (),
+    ) -> None:
+        """``dtypes``: those of the masters and copies to be cast, for the staging buffers made now."""
+        self._casters = [CudaCaster(d, dtypes) if d.type == "cuda" else ThreadCaster() for d in devices]
         self._on_error = on_error
+        self.errors: list[BaseException] = []
+        """What went wrong here, also where reporting it failed."""
         self._reads: dict[int, threading.Event] = {}
         self._queue: queue.SimpleQueue[_Cast | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="roundpipe-casts", daemon=True)
@@ -134,17 +158,28 @@ class UpdateCasts:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
+        """Never ends before :meth:`close`: the optimizer thread and ``flush`` wait on what it sets."""
         while (job := self._queue.get()) is not None:
             try:
                 if job.dst is not None:
                     assert job.src is not None and job.read is not None
                     self._casters[job.group % len(self._casters)].run(job.dst, job.src, job.read.set)
             except BaseException as e:  # reported first: the abort it sets fails the gate's waiters
-                self._on_error(e)
+                self._report(e)
             finally:
                 if job.read is not None:
                     job.read.set()  # never leave the optimizer thread waiting
-                job.then()
+                try:
+                    job.then()
+                except BaseException as e:
+                    self._report(e)
+
+    def _report(self, error: BaseException) -> None:
+        self.errors.append(error)
+        try:
+            self._on_error(error)
+        except BaseException as failed:  # kept in ``errors``; the thread must go on
+            self.errors.append(failed)
 
 
 @dataclass
