@@ -1,17 +1,19 @@
-"""Update casts done by a device: the optimizer thread hands each updated master to a GPU, which casts it
-into the host compute copy (the master up, cast there, the compute dtype down), and goes on with the
-next update's math.
+"""Update casts done by a device: the optimizer thread queues each updated master, and a thread of this
+module has a GPU cast it into the host compute copy (the master up, cast there, the compute dtype down) while
+the optimizer thread goes on with the next update's math.
 
 Why: at 8 sequences a step (issue 39) the optimizer thread was the step on one H200's host: 0.49 s of
 AdamW math, then 0.19 s casting fp32 masters into bf16 compute copies. The cast is memory traffic on the
 thread's cores; the copy engines move the same 6 bytes a parameter through host memory (and 4 + 2 over
 PCIe) while the thread computes. Alone on that host the math took 0.41 s, math then cast 0.55 s, the
-math beside the device's casts 0.42 s (``benchmarks/host_step.py``, 2026-12-04).
+math beside the device's casts, issued from a second thread, 0.42 s (``benchmarks/host_step.py``,
+2026-12-04). Issued from the optimizer thread itself, the copies held it for as long as they took
+(0.16 s a step in training): hence a thread of their own, which issues them and waits for them, asleep.
 
 The optimizer worker's edges stay as they are (docs/architecture.md): a group's cast gate opens only
-once its compute copy is written (a finisher thread waits for the device, asleep, then runs the gate's
-``then``, in submission order), and the master may be written again only once the device has read it
-(:meth:`UpdateCasts.before_write`). On CPU workers a thread stands in for the device (tests).
+once its compute copy is written (``then``, run by that thread in submission order), and the master may
+be written again only once the device has read it (:meth:`UpdateCasts.before_write`). On CPU workers a
+thread stands in for the device (tests).
 """
 
 from __future__ import annotations
