@@ -15,6 +15,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_roundpipe.engine import double_buffering
 from lightning_roundpipe.models.compiled import compile_options
+from lightning_roundpipe.runtime.update_casts import CASTS
 from lightning_roundpipe.schedule.choose import PLANNERS
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
@@ -22,7 +23,6 @@ from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
 HF_STAGES = ("auto", "table", "generic")
 SPLITS = ("auto", "tokens", "packed", "samples")
 KERNELS = ("auto", "liger", "none")
-CAST_UPDATES = ("host", "device")
 
 
 @dataclass(kw_only=True)
@@ -167,8 +167,8 @@ class RoundPipeOptions:
             raise ValueError(f"RoundPipeStrategy(split_by={self.split_by!r}) must be one of {SPLITS}")
         if self.hf_stages not in HF_STAGES:
             raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
-        if self.cast_updates not in CAST_UPDATES:
-            raise ValueError(f"RoundPipeStrategy(cast_updates={self.cast_updates!r}) must be one of {CAST_UPDATES}")
+        if self.cast_updates not in CASTS:
+            raise ValueError(f"RoundPipeStrategy(cast_updates={self.cast_updates!r}) must be one of {CASTS}")
         if self.cast_updates == "device" and not self.async_optimizer:
             raise ValueError(
                 "RoundPipeStrategy(cast_updates='device') moves the asynchronous optimizer's casts; it needs"

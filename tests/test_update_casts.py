@@ -143,10 +143,12 @@ def test_a_failing_device_cast_reaches_the_main_thread_and_opens_its_gate(monkey
 
 
 def test_casts_that_keep_the_dtype_stay_on_the_host():
-    fp32 = torch.zeros(4)
-    assert not casts_module.UpdateCasts.takes(torch.zeros(4), fp32)
-    assert not casts_module.UpdateCasts.takes(fp32, fp32)
-    assert casts_module.UpdateCasts.takes(torch.zeros(4, dtype=torch.bfloat16), fp32)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model[1].requires_grad_(False)
+    mixed, same = HostStore(list(model), torch.bfloat16, separate_compute=True), HostStore(list(model), None, True)
+    assert [casts_module.UpdateCasts.takes(g) for g in mixed.groups] == [g.trainable for g in mixed.groups]
+    assert sum(g.trainable for g in mixed.groups) == 2 and len(mixed.groups) > 3  # frozen and buffers stay
+    assert not any(casts_module.UpdateCasts.takes(g) for g in same.groups)
 
 
 def test_the_option_is_checked():

@@ -76,7 +76,7 @@ class Crew:
         if asynchronous:  # "device": the update casts that change dtype go to the workers' devices
             offload = None
             if casts == "device":
-                cast = [g for g in store.groups if g.trainable and UpdateCasts.takes(g.compute, g.data)]
+                cast = [g for g in store.groups if UpdateCasts.takes(g)]
                 dtypes = sorted({t.dtype for g in cast for t in (g.data, g.compute)}, key=str)
                 offload = UpdateCasts([d.device for d in self.devices], self.on_error, dtypes)
             self.optimizer = OptimizerWorker(store, self.on_error, casts=offload)

@@ -353,7 +353,7 @@ def _pin_store(pool: HostPool, store: HostStore, casts: str) -> None:
         pool.register(group.compute)
         if group.grad is not None:
             pool.register(group.grad)
-        if casts == "device" and group.trainable and UpdateCasts.takes(group.compute, group.data):
+        if casts == "device" and UpdateCasts.takes(group):
             pool.register(group.data)
 
 

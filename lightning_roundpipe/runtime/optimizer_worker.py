@@ -235,7 +235,7 @@ class OptimizerWorker:
 
     def _cast(self, job: UpdateJob, g: int) -> None:
         group = self.store.groups[g]
-        if self.casts is not None and self.casts.takes(group.compute, group.data):
+        if self.casts is not None and self.casts.takes(group):
             self.store.refresh_group(g, job.step + 2, functools.partial(self.casts.cast, g, then=job.cast_done[g].set))
         else:
             self.store.refresh_group(g, job.step + 2)

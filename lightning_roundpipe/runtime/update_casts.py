@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_roundpipe.runtime.host_store import FlatGroup
+
 Wait = Callable[[], None]
 CASTS = ("host", "device")
 """Where the asynchronous optimizer casts its updates: on its own thread, or through the workers' devices."""
@@ -135,9 +137,10 @@ class UpdateCasts:
         self._thread.start()
 
     @staticmethod
-    def takes(dst: Tensor, src: Tensor) -> bool:
-        """Whether a cast is worth the trip: only one that changes dtype (a plain copy is cheaper at home)."""
-        return dst is not src and dst.dtype != src.dtype
+    def takes(group: FlatGroup) -> bool:
+        """Whether ``group``'s casts come here: a trainable group's that change dtype (a plain copy is cheaper at
+        home)."""
+        return group.trainable and group.compute is not group.data and group.compute.dtype != group.data.dtype
 
     def cast(self, group: int, dst: Tensor, src: Tensor, then: Wait) -> None:
         """Queue ``dst.copy_(src)``; ``then`` runs on the casts' thread once ``dst`` holds it."""
