@@ -32,9 +32,8 @@
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
-#        host-casts (issue 39: the engine's device casts beside the math, alone; pinned by allocation or in place)
+#        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
-#        device-casts device-casts-24gib (issue 39: the GPU's update casts against the optimizer thread's)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
@@ -211,13 +210,12 @@ for step in "${steps[@]}"; do
         --out "$OUT/varlen-8-blocking.json"
       OMP_WAIT_POLICY=PASSIVE run varlen-8-omp-passive 150 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer --warmup 10 --steps 8 --host-trace --config-timeout 140 --out "$OUT/varlen-8-omp-passive.json" ;;
-    host-casts)  # issue 39: the engine's UpdateCasts alone beside the math (queueing expected near 0 s, math beside
-      # the casts near 0.42 s), then math and cast with the compute copies pinned by allocation (0.34 + 0.12 s on
-      # 2026-12-03's lease against 0.41 + 0.15 registered on 2026-12-04's), then math and cast beside a Python thread
-      # with a tenth of the default switch interval (1.79 s at the default: expected near 0.6 s if the GIL's
-      # hand-back was the cost): about 230 s
+    host-casts)  # issue 39: math, the host's cast and the GPU's (device-cast), alone and beside the math, then math and
+      # cast with the compute copies pinned by allocation (0.34 + 0.12 s on 2026-12-03's lease against 0.41 + 0.15
+      # registered on 2026-12-04's), then math and cast beside a Python thread with a tenth of the default switch
+      # interval (1.79 s at the default: expected near 0.6 s if the GIL's hand-back was the cost): under 230 s
       run host-casts 100 python benchmarks/host_step.py --out "$OUT/host-casts.json" \
-        --only math,cast,math-then-cast,device-cast,math-beside-device-cast,engine-casts,engine-casts-beside
+        --only math,cast,math-then-cast,device-cast,math-beside-device-cast
       run host-allocated 70 python benchmarks/host_step.py --pin allocated --only math,cast \
         --out "$OUT/host-allocated.json"
       run host-switch 80 python benchmarks/host_step.py --switch-interval 0.0005 \
@@ -227,21 +225,6 @@ for step in "${steps[@]}"; do
       run varlen-8-switch 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-switch500 --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-switch.json" ;;
-    device-casts)  # issue 39: the update casts done by the GPU (cast_updates="device") against the optimizer thread's
-      # own (the default): 8 a step of 256..4096 tokens with plain compiled blocks in the same call (about 260 s), then
-      # 32 x 2048 a step on the full card (about 200 s)
-      run varlen-8-casts 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
-        --configs newcomer,newcomer-cast-device,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
-        --out "$OUT/varlen-8-casts.json"
-      run fixed-32-casts 260 python benchmarks/lightning_user.py --configs newcomer,newcomer-cast-device --warmup 10 \
-        --steps 6 --config-timeout 130 --out "$OUT/fixed-32-casts.json" ;;
-    device-casts-24gib)  # issue 39 at 24 GiB, the same two (about 500 s)
-      run fixed-32-casts-24gib 300 python benchmarks/lightning_user.py --gpu-gib 24 \
-        --configs newcomer,newcomer-cast-device --warmup 26 --steps 6 --config-timeout 140 \
-        --out "$OUT/fixed-32-casts-24gib.json"
-      run varlen-8-casts-24gib 300 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
-        --configs newcomer,newcomer-cast-device --warmup 26 --steps 8 --host-trace --config-timeout 140 \
-        --out "$OUT/varlen-8-casts-24gib.json" ;;
     varlen-24gib-gc)  # issue 39: at 24 GiB the allocator's reserve crept up with the lengths (16.8 to 20.4 GiB over 30
       # steps at 8 a step, 2026-12-04) past the plan's 19.2: torch's garbage collection of cached blocks from 0.8 of the
       # cap (where the plan's limit is) on, 8 then 32 a step (about 300 s)

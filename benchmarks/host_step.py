@@ -22,12 +22,7 @@ each part costs and whether they overlap or share the memory bus:
   copy: the same 6 bytes a parameter through host memory, by the copy engines rather than the cores; the masters
   are page-locked for it, after the measurements above);
   ``math-beside-device-cast``: each group's so, beside the next group's math; ``math-beside-upload``: only the
-  fp32 upload beside the math (the GPU keeping the compute copy itself);
-- ``engine-casts``: the engine's own ``UpdateCasts`` (``cast_updates="device"``; on CPU its stand-in thread): every
-  group's math, then every cast queued, shallow groups first, as the optimizer thread does, waiting for the last
-  to land; ``engine-casts-queue`` is how long queueing them took (in training the first version, which issued the
-  copies on the optimizer thread, took 0.163 s: eighteenth session); ``engine-casts-beside``: each group's cast
-  queued as soon as its math is done (as with a spare compute copy).
+  fp32 upload beside the math (the GPU keeping the compute copy itself).
 
 In a training step the optimizer thread's math and cast took 0.53 and 0.21 s where this measured 0.34 and
 0.12 alone (2026-12-04, seventeenth session): the loads say which neighbour costs what.
@@ -54,8 +49,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pcie import timed  # best wall time after one warm-up
-
-from lightning_roundpipe.runtime.update_casts import UpdateCasts
 
 BLOCK = 50_331_648  # one Qwen3-1.7B decoder block's parameters (rounded to a multiple of 2**20)
 EMBEDDING = 151_936 * 2048  # the tied embedding and LM head
@@ -122,46 +115,6 @@ def beside(groups: Groups, order: list[int], then: Callable[[int], None] | None 
     thread.join()
 
 
-def register_masters(groups: Groups) -> None:
-    """Page-lock the masters for the copy engines, once (the measurements before the device casts: not)."""
-    if torch.cuda.is_available() and not DeviceCast.registered:
-        DeviceCast.registered = True
-        for t in groups.data:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            assert int(err) == 0, f"cudaHostRegister failed with CUDA error {int(err)}"
-
-
-class EngineCasts:
-    """The engine's ``UpdateCasts``: casts queued from this thread, issued and awaited on its own."""
-
-    def __init__(self, groups: Groups) -> None:
-        self.groups, self.queued_s, self.errors = groups, [], []
-        self.casts = UpdateCasts([torch.device("cuda:0" if torch.cuda.is_available() else "cpu")], self.errors.append)
-
-    def __call__(self, order: list[int], beside: bool) -> None:
-        register_masters(self.groups)
-        landed = threading.Event()
-
-        def cast(g: int) -> None:
-            self.casts.cast(g, self.groups.compute[g], self.groups.data[g], lambda: None)
-
-        if beside:
-            for g in order:
-                self.groups.math(g)
-                cast(g)
-        else:
-            for g in order:
-                self.groups.math(g)
-            start = time.perf_counter()
-            for g in sorted(order):  # shallow first
-                cast(g)
-            self.queued_s.append(time.perf_counter() - start)
-        self.casts.after(landed.set)
-        landed.wait()
-        if self.errors:
-            raise self.errors[0]
-
-
 class DeviceCast:
     """A group's master through the GPU in 64 MiB chunks, on two streams: up in fp32, cast there, and (``back``)
     the bf16 copy down into the pinned compute copy; without ``back`` only the upload, as if the GPU kept the
@@ -180,7 +133,11 @@ class DeviceCast:
             event.record(self.up)
 
     def __call__(self, g: int) -> None:
-        register_masters(self.groups)
+        if not DeviceCast.registered:  # the masters page-locked for the copy engines (the measurements before: not)
+            DeviceCast.registered = True
+            for t in self.groups.data:
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                assert int(err) == 0, f"cudaHostRegister failed with CUDA error {int(err)}"
         data, compute = self.groups.data[g], self.groups.compute[g]
         last = None
         for i, lo in enumerate(range(0, data.numel(), self.CHUNK)):
@@ -333,9 +290,6 @@ def main() -> None:
         "chunked": lambda: [groups.chunked(g) for g in order] and None,
     }
     both = runs["math-then-cast"]
-    engine = EngineCasts(groups)
-    runs["engine-casts"] = lambda: engine(order, beside=False)
-    runs["engine-casts-beside"] = lambda: engine(order, beside=True)
 
     def beside_load(kind: str) -> Callable[[], None]:
         def run() -> None:
@@ -356,9 +310,6 @@ def main() -> None:
     seconds = {name: timed(fn, args.repeats) for name, fn in runs.items()}
     if "memcpy" in seconds:
         seconds["memcpy"] *= scale_copy
-    if engine.queued_s:
-        seconds["engine-casts-queue"] = min(engine.queued_s)
-    engine.casts.close()
     result: dict[str, Any] = {
         "parameters": total,
         "groups": len(sizes),

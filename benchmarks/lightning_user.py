@@ -32,8 +32,6 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   instead of spinning a core each (an experiment: the host step ran 1.6x slower inside training than alone);
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
-- ``newcomer-cast-device``: ``RoundPipeStrategy(cast_updates="device")`` (the GPU casts each update into the
-  compute copies, on a thread of its own, instead of the optimizer thread);
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
   cast as soon as its math is done, not after the step's last read of the copy);
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
@@ -391,8 +389,6 @@ def strategy_for(
         return RoundPipeStrategy(split_by="packed"), False
     if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
-    if config == "newcomer-cast-device":
-        return RoundPipeStrategy(cast_updates="device"), False
     if config == "newcomer-db":
         return RoundPipeStrategy(double_buffer="all"), False
     if config == "newcomer-sync":
