@@ -72,5 +72,4 @@ def build_engine(
         replan_margin=options.replan_margin,
         memory_limit=device_memory_limit(devices, float(options.gpu_memory)),
         double_buffer=options.double_buffer if asynchronous else "none",
-        casts=options.cast_updates if asynchronous else "host",
     )

@@ -15,7 +15,6 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_roundpipe.engine import double_buffering
 from lightning_roundpipe.models.compiled import compile_options
-from lightning_roundpipe.runtime.update_casts import CASTS
 from lightning_roundpipe.schedule.choose import PLANNERS
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import OVERLAPS, Overlap
@@ -73,13 +72,6 @@ class RoundPipeOptions:
     asynchronous mode gradient clipping runs on the optimizer thread, the LR and other hyper-parameters
     are those in effect when the step is submitted, and ``p.grad`` is not available in
     ``on_after_backward`` / ``on_before_optimizer_step``."""
-    cast_updates: str = "host"
-    """Where the asynchronous optimizer casts each update into the compute copies (fp32 masters to bf16):
-    ``"host"``, on the optimizer thread, or ``"device"``, through the GPUs (the master up, cast there, the copy
-    down, on a thread of its own: 4 + 2 more bytes a parameter over PCIe, the cast's 0.19 s a step for 1.7 B
-    parameters off the optimizer thread). ``"device"`` is not the default: it has not yet measured faster
-    (docs/perf-notes.md, 2026-12-04). Casts that keep the dtype stay on the host either way. CPU workers: a
-    thread stands in for the device."""
     double_buffer: bool | str = False
     """With ``async_optimizer``, a second host compute copy of trainable weights, so each update is cast
     into the copy the step after next reads as soon as it is computed. Without it the next step's first
@@ -167,13 +159,6 @@ class RoundPipeOptions:
             raise ValueError(f"RoundPipeStrategy(split_by={self.split_by!r}) must be one of {SPLITS}")
         if self.hf_stages not in HF_STAGES:
             raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
-        if self.cast_updates not in CASTS:
-            raise ValueError(f"RoundPipeStrategy(cast_updates={self.cast_updates!r}) must be one of {CASTS}")
-        if self.cast_updates == "device" and not self.async_optimizer:
-            raise ValueError(
-                "RoundPipeStrategy(cast_updates='device') moves the asynchronous optimizer's casts; it needs"
-                " async_optimizer=True"
-            )
         compile_options(self.compile)
         self.gpu_memory = parse_memory(self.gpu_memory)
         given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)

@@ -58,8 +58,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         overlap: weight and gradient copies: ``"priority"``, ``"simple"`` or ``"none"``.
         gpu_memory: what a plan may use per device: a fraction (``0.8``), bytes or ``"24GiB"``.
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
-        cast_updates: where the asynchronous optimizer casts its updates into the compute copies: ``"host"``
-            (its own thread) or ``"device"`` (through the GPUs).
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
@@ -88,7 +86,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         overlap: Overlap = "priority",
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
-        cast_updates: str = "host",
         double_buffer: bool | str = False,
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,

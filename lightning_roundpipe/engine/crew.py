@@ -26,7 +26,6 @@ from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 from lightning_roundpipe.runtime.replicas import plain_attributes
-from lightning_roundpipe.runtime.update_casts import UpdateCasts
 from lightning_roundpipe.runtime.workers import Task, WorkerPool
 from lightning_roundpipe.schedule.plan import StagePlan
 
@@ -46,7 +45,6 @@ class Crew:
         overlap: str,
         max_inflight: int,
         asynchronous: bool,
-        casts: str = "host",
     ) -> None:
         self.layers = layers
         self.devices = list(devices)
@@ -72,14 +70,7 @@ class Crew:
                 device, store, layers, plan, base_seed, autocast_dtype, collector, self.on_error, overlap, max_inflight
             )
             self.executors.append(executor)
-        self.optimizer = None
-        if asynchronous:  # "device": the update casts that change dtype go to the workers' devices
-            offload = None
-            if casts == "device":
-                cast = [g for g in store.groups if UpdateCasts.takes(g)]
-                dtypes = sorted({t.dtype for g in cast for t in (g.data, g.compute)}, key=str)
-                offload = UpdateCasts([d.device for d in self.devices], self.on_error, dtypes)
-            self.optimizer = OptimizerWorker(store, self.on_error, casts=offload)
+        self.optimizer = OptimizerWorker(store, self.on_error) if asynchronous else None
         self._threads = WorkerPool(
             [f"roundpipe-worker-{i}" for i in range(len(self.devices))],
             [d.enter_thread for d in self.devices],

@@ -41,7 +41,6 @@ from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
-from lightning_roundpipe.runtime.update_casts import CASTS, UpdateCasts
 from lightning_roundpipe.runtime.workers import PipelineAborted
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, batch_schedule
 
@@ -69,8 +68,6 @@ class PipelineEngine:
         asynchronous: run the optimizer on a host thread with staleness one (see the module docstring).
         consistency: ``"layerwise"`` (per-group gates) or ``"barrier"``: each step drains and casts the
             previous update on the calling thread (paper section 4.3.2's blocking baseline; same numerics).
-        casts: ``"device"``: the asynchronous optimizer's casts that change dtype are done by the workers'
-            devices (:mod:`~lightning_roundpipe.runtime.update_casts`), ``"host"``: on its own thread.
         double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
     """
@@ -95,11 +92,10 @@ class PipelineEngine:
         planner: str = "fastest",
         memory_limit: float | None = None,
         double_buffer: bool | str = False,
-        casts: str = "host",
     ) -> None:
         self.layers, self.devices = list(layers), list(devices)
         self.num_workers = len(self.devices)
-        self.overlap, self.asynchronous, self.consistency, self.casts = overlap, asynchronous, consistency, casts
+        self.overlap, self.asynchronous, self.consistency = overlap, asynchronous, consistency
         buffers = double_buffering(double_buffer)
         _check_arguments(self, microbatches_per_round, num_rounds, buffers)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
@@ -111,9 +107,12 @@ class PipelineEngine:
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.crew = Crew(
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
-            max_inflight, asynchronous, casts,
+            max_inflight, asynchronous,
         )  # fmt: skip
-        _pin_store(self.pool, self.store, casts)
+        for group in self.store.groups:  # weights, and first gradient writes, travel by DMA
+            self.pool.register(group.compute)
+            if group.grad is not None:
+                self.pool.register(group.grad)
         self.steps = StepChain(
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan, buffers
         )
@@ -346,17 +345,6 @@ class PipelineEngine:
                 self.pool.close()
 
 
-def _pin_store(pool: HostPool, store: HostStore, casts: str) -> None:
-    """Page-lock what travels by DMA: the weights, the gradients and, where the devices cast the updates, the
-    masters they read."""
-    for group in store.groups:
-        pool.register(group.compute)
-        if group.grad is not None:
-            pool.register(group.grad)
-        if casts == "device" and UpdateCasts.takes(group):
-            pool.register(group.data)
-
-
 def _check_arguments(
     engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str
 ) -> None:
@@ -375,10 +363,6 @@ def _check_arguments(
         )
     if num_rounds < 1:
         raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
-    if engine.casts not in CASTS:
-        raise ValueError(f"casts={engine.casts!r} is not one of {CASTS}")
-    if engine.casts == "device" and not engine.asynchronous:
-        raise ValueError("casts='device' is for the asynchronous optimizer's casts (asynchronous=True)")
     if engine.consistency not in ("layerwise", "barrier"):
         raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
     if double_buffer != "none" and not engine.asynchronous:

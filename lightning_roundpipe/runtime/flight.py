@@ -227,13 +227,6 @@ class Flight:
         if last:
             gate.set()
 
-    def uploaded(self, group: int) -> bool:
-        """Whether this flight no longer reads ``group``'s compute copy (or never will), without waiting."""
-        if group not in self._uploaded:
-            return True
-        gate, events = self._uploaded[group]
-        return gate.is_set() and all(event is None or event.query() for event in events)
-
     def wait_uploaded(self, group: int) -> None:
         """Wait until this flight no longer reads ``group``'s compute copy (or never will)."""
         if group not in self._uploaded:

@@ -143,15 +143,14 @@ class HostStore:
         self._refresh(group)
         return refs
 
-    def refresh_group(self, index: int, step: int = 0, copy: Callable[[Tensor, Tensor], Any] = Tensor.copy_) -> None:
+    def refresh_group(self, index: int, step: int = 0) -> None:
         """Cast one group's master into the compute copy step ``step`` reads (the asynchronous
-        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity) with ``copy(dst, src)``
-        (a device's cast: :mod:`~lightning_roundpipe.runtime.update_casts`)."""
+        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity)."""
         group = self.groups[index]
         if group.spare is not None and step % 2:
-            copy(group.spare, group.data)
+            group.spare.copy_(group.data)
             return
-        self._refresh(group, copy)
+        self._refresh(group)
 
     def add_spares(
         self, groups: Iterable[int] | None = None, prepare: Callable[[Tensor], Any] | None = None
@@ -174,9 +173,9 @@ class HostStore:
         group = self.groups[index]
         return group.spare if group.spare is not None and step % 2 else group.compute
 
-    def _refresh(self, group: FlatGroup, copy: Callable[[Tensor, Tensor], Any] = Tensor.copy_) -> None:
+    def _refresh(self, group: FlatGroup) -> None:
         if group.compute is not group.data:
-            copy(group.compute, group.data)
+            group.compute.copy_(group.data)
         group.synced_version = group.version()
         group.dirty = False
 

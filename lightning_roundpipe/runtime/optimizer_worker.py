@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import functools
 import math
 import queue
 import threading
@@ -37,7 +36,6 @@ from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.update_casts import UpdateCasts
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
 
@@ -111,18 +109,14 @@ class OptimizerWorker:
         on_error: Callable[[BaseException], None],
         trace: list[tuple[Any, ...]] | None = None,
         exchange: NodeExchange | None = None,
-        casts: UpdateCasts | None = None,
     ) -> None:
         self.store = store
-        self.casts = casts
-        """Casts that change dtype go to a device (:mod:`~lightning_roundpipe.runtime.update_casts`)."""
         self.exchange = exchange
         """Several nodes: gradients go to each group's owner, which updates it and broadcasts the weights."""
         self.trace = trace
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
-        self._previous: UpdateJob | None = None
         self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
         self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
         """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
@@ -138,15 +132,11 @@ class OptimizerWorker:
         self._thread.start()
 
     def submit(self, job: UpdateJob) -> None:
-        self._previous, self._last = self._last, job
+        self._last = job
         self._jobs.put(job)
 
     def wait_math(self) -> None:
-        """Wait until every submitted update changed the masters and every update before the last reached the
-        compute copies (the last one's casts may still be pending). On the host's thread the second follows
-        from the first; a device's casts may land after the next update's math."""
-        if self._previous is not None:
-            self._previous.finished.wait()
+        """Wait until every submitted update changed the masters (casts may still be pending)."""
         if self._last is not None:
             self._last.math_done.wait()
 
@@ -177,9 +167,7 @@ class OptimizerWorker:
     def close(self, timeout: float = 30.0) -> bool:
         self._jobs.put(None)
         self._thread.join(timeout)
-        if self._thread.is_alive():
-            return False  # the casts' thread stays: a cast this thread still queues would wait for it
-        return self.casts is None or self.casts.close(timeout)
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -196,10 +184,7 @@ class OptimizerWorker:
                 if not self._decision(job.step).is_set():  # no decision (not scaled, or cut short)
                     self.decide(job.step, None)
                 job.math_done.set()
-                if self.casts is not None:
-                    self.casts.after(job.finished.set)  # once its casts landed
-                else:
-                    job.finished.set()
+                job.finished.set()
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
@@ -212,34 +197,20 @@ class OptimizerWorker:
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
         spare = [g for g in job.groups if self.store.groups[g].spare is not None]
         single = [g for g in job.groups if self.store.groups[g].spare is None]
-        if spare:
-            self._cast_after(job, spare, job.window.flights if job.window is not None else [])
+        for g in spare:
+            for flight in job.window.flights if job.window is not None else ():
+                flight.wait_uploaded(g)
+            self._cast(job, g)
         if single:
             job.next_window.closed.wait()
-            self._cast_after(job, single, job.next_window.flights)
-
-    def _cast_after(self, job: UpdateJob, groups: list[int], flights: list[Any]) -> None:
-        """Cast ``groups`` (deep first) once ``flights`` no longer read their copies. Queueing a device's cast
-        takes no time: the groups already free go at once, shallow first, as the next forward reads them;
-        waiting is for the deepest still read, as a backward frees them."""
-        left = list(groups)
-        while left:
-            ready = [g for g in left if all(f.uploaded(g) for f in flights)] if self.casts is not None else []
-            if not ready:
-                for flight in flights:
-                    flight.wait_uploaded(left[0])
-                ready = [left[0]]
-            for g in sorted(ready, key=lambda g: (self.store.groups[g].layer, g)):
-                self._cast(job, g)
-                left.remove(g)
+        for g in single:
+            for flight in job.next_window.flights:
+                flight.wait_uploaded(g)
+            self._cast(job, g)
 
     def _cast(self, job: UpdateJob, g: int) -> None:
-        group = self.store.groups[g]
-        if self.casts is not None and self.casts.takes(group):
-            self.store.refresh_group(g, job.step + 2, functools.partial(self.casts.cast, g, then=job.cast_done[g].set))
-        else:
-            self.store.refresh_group(g, job.step + 2)
-            job.cast_done[g].set()
+        self.store.refresh_group(g, job.step + 2)
+        job.cast_done[g].set()
         if self.trace is not None:
             self.trace.append(("cast", job.step, g, time.perf_counter()))
 
@@ -291,8 +262,6 @@ class OptimizerWorker:
                 grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
             elif coefficient < 1.0:
                 grad.mul_(coefficient)
-            if self.casts is not None:
-                self.casts.before_write(g)  # the device has read the previous update from it
             self._step_group(shadow, shadows_of, g)
             job.consumed[g].set()
             end = time.perf_counter()
@@ -300,8 +269,6 @@ class OptimizerWorker:
             if self.trace is not None:
                 self.trace.append(("update", job.step, g, start, end))
         if exchange is not None:
-            for g in job.groups if self.casts is not None else ():
-                self.casts.before_write(g)
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
         self.last_update = (job.step, working)  # one assignment: a reader never pairs two steps
 
