@@ -35,6 +35,12 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
   cast as soon as its math is done, not after the step's last read of the copy);
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
+- ``newcomer-sgd``: the defaults with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
+  experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
+  host bounds the step this shows what the devices would give with a lighter one);
+- ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
+  or of ``--gpu-gib``, through ``torch.cuda.set_per_process_memory_fraction``; ``gpu_memory=1.0`` of that), so that
+  the reserve cannot grow past the plan's limit: past it torch frees cached blocks first (an experiment);
 - ``newcomer-sync``: ``RoundPipeStrategy(async_optimizer=False)`` (with ``--precision bf16-true``: no compute
   copy on the host, 8 bytes per parameter with AdamW);
 - ``tuned-N``: ``RoundPipeStrategy(num_microbatches=N)`` with ``AdamW(fused=True)`` (the hand-tuned
@@ -224,6 +230,7 @@ class LM(L.LightningModule):
         super().__init__()
         self.model = model
         self.fused, self.deepspeed = fused, deepspeed
+        self.sgd = False
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -236,6 +243,8 @@ class LM(L.LightningModule):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
+        if self.sgd:  # an experiment's lighter host step: 12 bytes a parameter through memory, AdamW's 28
+            return torch.optim.SGD(self.parameters(), lr=1e-5)
         if self.fused:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
@@ -378,7 +387,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking",)
+    same += ("newcomer-blocking", "newcomer-sgd")
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
     if config == "newcomer-nokernels":
@@ -387,6 +396,8 @@ def strategy_for(
         return RoundPipeStrategy(hf_stages="generic"), False
     if config == "newcomer-packed":
         return RoundPipeStrategy(split_by="packed"), False
+    if config == "newcomer-capped":  # the allocator held to the plan's limit in run_one, the plan sized for all of it
+        return RoundPipeStrategy(gpu_memory=1.0), False
     if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
     if config == "newcomer-db":
@@ -405,8 +416,8 @@ def strategy_for(
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
-        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-split,"
-        " newcomer-sync,"
+        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
+        " newcomer-sgd, newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
@@ -415,9 +426,10 @@ def strategy_for(
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     shape = SHAPES.get(args.model)
     cuda = args.device == "cuda"
-    if cuda and args.gpu_gib:
+    capped = 0.8 if args.run == "newcomer-capped" else 1.0  # the default gpu_memory, as the allocator's cap
+    if cuda and (args.gpu_gib or capped < 1):
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.gpu_gib * GiB / total, 0)
+        torch.cuda.set_per_process_memory_fraction(capped * (args.gpu_gib * GiB if args.gpu_gib else total) / total, 0)
     L.seed_everything(0, verbose=False)
     compile_with = {"backend": args.compile_backend} if args.compile_backend else True
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
@@ -446,6 +458,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         for block in model.model.layers:
             block.compile(**({"backend": args.compile_backend} if args.compile_backend else {}))
     module = LM(model, fused=fused, deepspeed=deepspeed)
+    module.sgd = args.run == "newcomer-sgd"
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
