@@ -30,7 +30,8 @@ class GradJob:
     staging: dict[int, Tensor]
     ready: Any
     waits: list[Gate]
-    done: Gate
+    done: list[Gate]
+    """Opened once the job's gradients are on the host: one per group it writes."""
     zero: list[int] = field(default_factory=list)
     """Groups this slot was the first to write but no gradient reached: their host gradient is zeroed."""
     landed: Callable[[], None] | None = None
@@ -126,7 +127,8 @@ class GradCollector:
                     self.log.append((waited, started, time.perf_counter(), added))
                 if job.landed is not None:
                     job.landed()
-                job.done.set()
+                for gate in job.done:
+                    gate.set()
             except PipelineAborted:
                 pass
             except BaseException as e:
