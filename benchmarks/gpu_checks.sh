@@ -35,6 +35,7 @@
 #        host-compiled (issue 39: the host step in one compiled pass) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
+#        varlen-8-castbeside (issue 39: the casts on a second host thread, with plain compiled blocks, one call)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
@@ -233,6 +234,13 @@ for step in "${steps[@]}"; do
       # 150 s and printed nothing: Inductor's C++ build of two sizes, or a slow kernel; the log now says which
       run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled \
         --out "$OUT/host-compiled.json" ;;
+    varlen-8-castbeside)  # issue 39 after the gradient gates per group (389335b): 8 a step, the defaults, each group's
+      # cast on a second host thread as its math ends (newcomer-castbeside), and plain with compiled blocks, one call.
+      # Expected: the defaults about as before (23-25k: the optimizer thread still does math then casts, 0.66 s), the
+      # casts beside near 0.5 s a step (30-33k) if the math beside the casts runs as host_step.py measured. About 340 s
+      run varlen-8-castbeside 400 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
+        --configs newcomer,newcomer-castbeside,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
+        --out "$OUT/varlen-8-castbeside.json" ;;
     varlen-8-ceiling)  # issue 39: 8 a step, the defaults beside SGD in AdamW's place (12 bytes a parameter through
       # host memory against 28: the host step near 0.15 + 0.19 s instead of 0.47 + 0.19): if the host bounds the step,
       # SGD's tokens/s is what the devices give with a lighter host step (expected 30-35k against 24k). About 230 s
