@@ -238,7 +238,7 @@ for step in "${steps[@]}"; do
       # cast on a second host thread as its math ends (newcomer-castbeside), and plain with compiled blocks, one call.
       # Expected: the defaults about as before (23-25k: the optimizer thread still does math then casts, 0.66 s), the
       # casts beside near 0.5 s a step (30-33k) if the math beside the casts runs as host_step.py measured. About 340 s
-      run varlen-8-castbeside 400 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
+      run varlen-8-castbeside 440 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
         --configs newcomer,newcomer-castbeside,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-castbeside.json" ;;
     varlen-8-ceiling)  # issue 39: 8 a step, the defaults beside SGD in AdamW's place (12 bytes a parameter through
