@@ -152,7 +152,7 @@ class StepChain:
         if not window.flights:
             return
         grads_complete = {g: self.grad_chain[g] for g in self.trainable if g in self.grad_chain}
-        order = self.store.update_order(grads_complete)
+        order = self._update_order(grads_complete)
         consumed = {g: self._job_gate() for g in order}
         cast_done = {g: self._job_gate() for g in order}
         self.grad_chain.update(consumed)  # the next step's first gradient writes wait for these
@@ -196,7 +196,7 @@ class StepChain:
         assert self.optimizer is not None
         for g, tensor in compute.items():
             self.store.reads(g, step).copy_(tensor)
-        order = self.store.update_order(self.trainable)
+        order = self._update_order(self.trainable)
         cast_done = {g: self._job_gate() for g in order}
         self.cast_done = {step - 1: cast_done}
         self.optimizer.submit(UpdateJob(step - 1, None, order, {}, {}, cast_done, self.windows[step]))
@@ -223,6 +223,9 @@ class StepChain:
             gate.set()
         for window in self.windows.values():
             window.closed.set()
+
+    def _update_order(self, groups: Any) -> tuple[int, ...]:
+        return tuple(sorted(groups, key=lambda g: (-self.store.groups[g].layer, g)))  # deep layers first
 
     def _job_gate(self) -> Gate:
         gate = Gate(self.abort)

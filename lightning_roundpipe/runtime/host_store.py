@@ -168,11 +168,6 @@ class HostStore:
                 spares.append(spare)
         return spares
 
-    def update_order(self, groups: Iterable[int]) -> tuple[int, ...]:
-        """Deep layers first: the order the optimizer updates groups in (their gradients come down deep first, and
-        each waits only for its own update)."""
-        return tuple(sorted(groups, key=lambda g: (-self.groups[g].layer, g)))
-
     def reads(self, index: int, step: int) -> Tensor:
         """The compute copy that training step ``step`` uploads from."""
         group = self.groups[index]

@@ -39,6 +39,10 @@ class LoadedSlot:
     staging: dict[int, Tensor] = field(default_factory=dict)
     summed_here: set[int] = field(default_factory=set)
     """Groups whose host partial sum comes up to be added on this device (``GradientUnloads._add_on_device``)."""
+    ranges_left: dict[int, int] = field(default_factory=dict)
+    """Per group copied straight into the host gradient, its download ranges not yet issued."""
+    cleared: set[int] = field(default_factory=set)
+    """Groups whose previous reader (the last update's math) was waited for (edge 4)."""
     early: set[int] = field(default_factory=set)
     """Groups whose download was handed to the collector on its own, before the slot's last part."""
 
@@ -84,8 +88,8 @@ class WorkerSlots:
         key = (slot, what, parts)
         if key not in self._pieces:
             groups = self.groups[slot] if what == "W" else self.trainable[slot]
-            if what == "G":  # in the optimizer's order, so each waits for its own update alone
-                groups = self.store.update_order(groups)
+            if what == "G":  # deep groups first, as the optimizer updates them: each waits for its own update
+                groups = sorted(groups, key=lambda g: (-self.store.groups[g].layer, g))
             sizes = [
                 (g, self.store.groups[g].compute.numel(), self.store.groups[g].compute.element_size()) for g in groups
             ]

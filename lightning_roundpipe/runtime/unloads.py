@@ -82,21 +82,26 @@ class GradientUnloads:
                 else:
                     loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
                     loaded.downloads[g] = (grad, loaded.staging[g])
-        # deep groups first, each's pieces in ascending order, across the parts (``WorkerSlots.parts``)
-        for g, start, stop in self.slots.parts(stage.slot, "G", action.parts)[action.part]:
-            if g not in loaded.downloads:
-                continue
-            source, destination = loaded.downloads[g]
-            if g in loaded.summed_here:
-                self._add_on_device(source, destination, start, stop)
-                continue
-            if g in overwrite and start == 0 and g in waits:
-                waiting = time.perf_counter()
-                waits[g].wait()  # edge 4, this group's: the previous step's update has read its gradient
-                flight.waited("update reads", waiting)
-            self._download_range(source, destination, start, stop)
-            if g in overwrite and stop == source.numel():  # on the host once this copy is: the next math may read it
-                self._land_early(loaded, flight, g, done[g])
+            for part in self.slots.parts(stage.slot, "G", action.parts):
+                for g, _, _ in part:
+                    if g in overwrite and g in loaded.downloads and g not in loaded.summed_here:
+                        loaded.ranges_left[g] = loaded.ranges_left.get(g, 0) + 1
+        for g, start, stop in sorted(self.slots.parts(stage.slot, "G", action.parts)[action.part], key=self._order):
+            if g in loaded.downloads:
+                source, destination = loaded.downloads[g]
+                if g in loaded.summed_here:
+                    self._add_on_device(source, destination, start, stop)
+                    continue
+                if g in overwrite and g not in loaded.cleared and g in waits:
+                    waiting = time.perf_counter()
+                    waits[g].wait()  # edge 4, this group's: the previous step's update has read its gradient
+                    flight.waited("update reads", waiting)
+                    loaded.cleared.add(g)
+                self._download_range(source, destination, start, stop)
+                if g in loaded.ranges_left:
+                    loaded.ranges_left[g] -= 1
+                    if not loaded.ranges_left[g]:  # on the host once this copy is: the next math may read it
+                        self._land_early(loaded, flight, g, done[g])
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
             for g, (source, _) in loaded.downloads.items():
@@ -112,6 +117,11 @@ class GradientUnloads:
             self.collecting.extend(rest)
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)
+
+    def _order(self, piece: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Deep groups first, as the optimizer updates them: each group's download waits only for its own update."""
+        g, start, _ = piece
+        return (-self.store.groups[g].layer, g, start)
 
     def _land_early(self, loaded: LoadedSlot, flight: Flight, g: int, done: Gate) -> None:
         """Hand one group's finished download to the collector, ahead of the slot's other groups."""
