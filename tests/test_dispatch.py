@@ -81,14 +81,10 @@ def test_priority_gradient_downloads_ride_in_the_next_slot_windows():
     )
 
 
-@pytest.mark.parametrize("in_order", [False, True])
-def test_pack_parts_balances_bytes_and_cuts_large_tensors(in_order):
+def test_pack_parts_balances_bytes_and_cuts_large_tensors():
     # an LM-head-sized tensor and a few small ones into 4 parts
     sizes = [(0, 1000, 2), (1, 100, 2), (2, 60, 4), (3, 10, 2)]
-    parts = pack_parts(sizes, 4, in_order=in_order)
-    if in_order:  # gradients: the pieces keep the order of ``sizes`` across the parts
-        flat = [piece for part in parts for piece in part]
-        assert flat == sorted(flat, key=lambda p: ([k for k, _, _ in sizes].index(p[0]), p[1]))
+    parts = pack_parts(sizes, 4)
     total = sum(n * b for _, n, b in sizes)
     loads = [sum((stop - start) * dict((k, b) for k, _, b in sizes)[k] for k, start, stop in p) for p in parts]
     assert sum(loads) == total

@@ -88,10 +88,8 @@ class WorkerSlots:
         key = (slot, what, parts)
         if key not in self._pieces:
             groups = self.groups[slot] if what == "W" else self.trainable[slot]
-            if what == "G":  # deep groups first, as the optimizer updates them: each waits for its own update
-                groups = sorted(groups, key=lambda g: (-self.store.groups[g].layer, g))
             sizes = [
                 (g, self.store.groups[g].compute.numel(), self.store.groups[g].compute.element_size()) for g in groups
             ]
-            self._pieces[key] = pack_parts(sizes, parts, in_order=what == "G")
+            self._pieces[key] = pack_parts(sizes, parts)
         return self._pieces[key]

@@ -70,16 +70,14 @@ def add_transfers(schedule: Schedule, overlap: Overlap = "priority") -> Schedule
 
 
 def pack_parts(
-    sizes: Sequence[tuple[int, int, int]], parts: int, max_piece_bytes: int | None = None, in_order: bool = False
+    sizes: Sequence[tuple[int, int, int]], parts: int, max_piece_bytes: int | None = None
 ) -> list[list[tuple[int, int, int]]]:
     """Cut transfers into ``parts`` lists of pieces with similar byte totals.
 
     ``sizes`` holds ``(key, numel, itemsize)`` per tensor. Tensors above ``max_piece_bytes``
     (default: an even share of the total) are cut into pieces of at most that size; then,
     longest first, each piece goes to the part with the fewest bytes so far (Graham's LPT rule).
-    Returns, per part, ``(key, start, stop)`` element ranges in ascending order. ``in_order``: the pieces fill
-    the parts one after another in the order of ``sizes`` instead (gradients going down in the order the
-    optimizer reads them, each part holding about its share of the bytes).
+    Returns, per part, ``(key, start, stop)`` element ranges in ascending order.
     """
     if parts < 1:
         raise ValueError(f"parts must be at least 1, got {parts}")
@@ -91,15 +89,9 @@ def pack_parts(
         for start in range(0, numel, step):
             stop = min(numel, start + step)
             pieces.append(((stop - start) * itemsize, key, start, stop))
+    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
     loads = [0] * parts
     out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
-    if in_order:  # each piece to the part its middle byte falls in, of parts holding an even share each
-        done = 0
-        for nbytes, key, start, stop in pieces:
-            out[min(parts - 1, int((done + nbytes / 2) * parts / max(1, total)))].append((key, start, stop))
-            done += nbytes
-        return out
-    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
     for nbytes, key, start, stop in pieces:
         target = min(range(parts), key=lambda i: (loads[i], i))
         loads[target] += nbytes
