@@ -206,18 +206,6 @@ def test_host_writes_count_what_landed_and_say_when_another_attempt_cannot_be_ex
     assert "groups [4] were being summed" in why
 
 
-def test_host_writes_count_a_group_that_landed_ahead_of_its_slot_once():
-    """A group copied straight into the host's lands on its own (gradient gates per group); its slot's landing
-    then counts only the others, and a slot stopped before them leaves the early one landed, the rest not."""
-    writes = HostWrites()
-    writes.planned((0, 0), (1, 2, 3))
-    writes.group_landed(3)
-    assert writes.complete(rounds=1) == ({3}, None)  # the batch stopped here: 3 is on the host, 1 and 2 are not
-    writes.slot_landed((0, 0), early=frozenset({3}))
-    assert writes.complete(rounds=1) == ({1, 2, 3}, None)
-    assert writes.landed == {1: 1, 2: 1, 3: 1}
-
-
 @pytest.mark.timeout(60)
 def test_a_batch_that_cannot_run_again_exactly_fails_and_the_next_one_is_exact(monkeypatch):
     seq, fault = model("inexact", "backward")

@@ -24,9 +24,8 @@ from lightning_roundpipe.runtime.workers import ABORT_POLL_S, Gate, PipelineAbor
 
 @dataclass
 class GradJob:
-    """Gradients of one slot (or of one of its groups, copied straight into the host's ahead of the others):
-    ``staging[group]`` is added to ``store.groups[group].grad``; groups copied straight into the host buffer need no
-    host work, only the wait for ``ready``."""
+    """Gradients of one slot: ``staging[group]`` is added to ``store.groups[group].grad``; groups copied
+    straight into the host buffer need no host work, only the wait for ``ready``."""
 
     staging: dict[int, Tensor]
     ready: Any

@@ -35,7 +35,7 @@ class GradientUnloads:
         self.collector = collector
         self.overlap = overlap
         self.collecting: list[Gate] = []
-        """Per group a gradient unload of the batch writes, the gate the collector opens once it is on the host."""
+        """Per gradient unload of the batch, the gate the collector opens once its gradients are on the host."""
         self.tail: tuple[int, int] | None = None
         """The slot whose gradients a settling batch downloads last on this worker: no compute follows
         it to hide a host add, so its later writes are summed on the device instead."""
