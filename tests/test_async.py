@@ -474,62 +474,6 @@ def test_announced_last_batch_lets_casts_run_during_the_next_step(monkeypatch, l
 
 
 @pytest.mark.timeout(60)
-def test_a_groups_gradient_lands_once_its_own_update_read_it_not_the_whole_slots(monkeypatch):
-    """Everything in one fused slot: step 1's gradient of a deep group goes to the host (and could feed update 1)
-    while update 0's math still holds the shallowest group, whose write alone waits (edge 4, per group). With one
-    gate per slot it all waited for update 0's whole math, and update 1's for the whole download (issue 39: at 8
-    sequences a step a step took the math plus that download, in series). The weights stay staleness-1 exact."""
-    model = mlp()
-    engine = PipelineEngine(
-        list(model.children()), [WorkerDevice("cpu", 0)], asynchronous=True, plan=StagePlan.parse("|7")
-    )  # fmt: skip
-    trainable = [g for g, group in enumerate(engine.store.groups) if group.trainable]
-    shallow = min(trainable, key=lambda g: engine.store.groups[g].layer)
-    deep = max(trainable, key=lambda g: engine.store.groups[g].layer)
-    held, holding = threading.Event(), threading.Event()
-    step_group = optimizer_module.OptimizerWorker._step_group
-
-    def slow_shallow(self, shadow, shadows_of, g):
-        if g == shallow and not held.is_set():
-            holding.set()
-            assert held.wait(30)
-        step_group(self, shadow, shadows_of, g)
-
-    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_group", slow_shallow)
-    opt = make_optimizer(model.parameters())
-    data = batches(3)
-    second = threading.Thread(target=lambda: engine.train_batch(*data[1][0], F.mse_loss, last_of_step=True))
-    try:
-        engine.train_batch(*data[0][0], F.mse_loss, last_of_step=True)
-        engine.submit_step(UpdateSpec.capture(opt))
-        assert holding.wait(30)  # update 0 stepped every deeper group and holds the shallowest
-        chain = engine.steps.grad_chain
-        update_0 = dict(chain)  # update 0's gates: step 1's writes wait for these
-        second.start()
-        deadline = time.monotonic() + 20
-        while chain[deep] is update_0[deep] and time.monotonic() < deadline:
-            time.sleep(0.01)  # until step 1's flight joined the chain with its own gates
-        writes = {g: chain[g] for g in (deep, shallow)}
-        assert writes[deep] is not update_0[deep]
-        while not writes[deep].is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        landed_deep, landed_shallow = writes[deep].is_set(), writes[shallow].is_set()
-        held.set()
-        second.join(30)
-        engine.submit_step(UpdateSpec.capture(opt))
-        engine.train_batch(*data[2][0], F.mse_loss, last_of_step=True)
-        engine.submit_step(UpdateSpec.capture(opt))
-        engine.flush()
-    finally:
-        held.set()
-        engine.close()
-    assert landed_deep, "the deep group's gradient waited for update 0's math on other groups"
-    assert not landed_shallow, "the shallow group's gradient landed before update 0 read the one it replaces"
-    reference = staleness_one_reference(mlp(), data)
-    assert relative_error(torch.cat([p.detach().flatten() for p in model.parameters()]), reference) <= 1e-5
-
-
-@pytest.mark.timeout(60)
 def test_a_batch_after_the_announced_last_is_refused_before_it_runs():
     model = mlp()
     engine = PipelineEngine(

@@ -30,8 +30,7 @@ class GradJob:
     staging: dict[int, Tensor]
     ready: Any
     waits: list[Gate]
-    done: list[Gate]
-    """Opened once the job's gradients are on the host: one per group it writes."""
+    done: Gate
     zero: list[int] = field(default_factory=list)
     """Groups this slot was the first to write but no gradient reached: their host gradient is zeroed."""
     landed: Callable[[], None] | None = None
@@ -127,8 +126,7 @@ class GradCollector:
                     self.log.append((waited, started, time.perf_counter(), added))
                 if job.landed is not None:
                     job.landed()
-                for gate in job.done:
-                    gate.set()
+                job.done.set()
             except PipelineAborted:
                 pass
             except BaseException as e:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,8 +118,8 @@ class Flight:
         self._lock = threading.Lock()
         counts = consumer_counts((a for _, a in schedule.actions()), schedule.plan)
         self._boxes = {key: _Mailbox(self.gate(), n) for key, n in counts.items()}
-        self.grad_order: dict[tuple[int, int], tuple[dict[int, Gate], dict[int, Gate]]] = {}
-        """Per slot, by group: the gate each write waits for (the previous writer's) and the one it opens."""
+        self.grad_order: dict[tuple[int, int], tuple[list[Gate], Gate]] = {}
+        """Per slot, the gates its gradient writes wait for (the previous writers') and the one it opens."""
         self.overwrite: dict[tuple[int, int], frozenset[int]] = {}
         """Per slot, the groups it is the first to write since the host gradients were cleared: their
         gradients are copied straight into the host buffer instead of added to it."""
@@ -154,20 +154,19 @@ class Flight:
         self, grad_chain: dict[int, Gate], groups_of_slot: Callable[[int], tuple[int, ...]], fresh_grads: set[int]
     ) -> None:
         """Order this flight's gradient writes after every earlier writer of each group, slot by slot in
-        schedule order (a fixed order: sums are bit-identical run to run), with a gate per group: a group's
-        write waits for its own previous writer (or reader: the last update's math) alone, and the next
-        writer or update of it for this write alone, not for the slot's other groups."""
+        schedule order (a fixed order: sums are bit-identical run to run)."""
         for rnd in range(self.schedule.num_rounds):
             for stage in self.schedule.stages():
                 if stage.kind is StageKind.FORWARD:
                     continue
                 groups = self.host_writes.planned((rnd, stage.slot), groups_of_slot(stage.slot))
-                done = {g: self.gate() for g in groups}
-                waits = {g: grad_chain[g] for g in groups if g in grad_chain}
+                done = self.gate()
+                waits = [grad_chain[g] for g in groups if g in grad_chain]
                 self.grad_order[(rnd, stage.slot)] = (waits, done)
                 self.overwrite[(rnd, stage.slot)] = frozenset(g for g in groups if g in fresh_grads)
                 fresh_grads.difference_update(groups)
-                grad_chain.update(done)
+                for g in groups:
+                    grad_chain[g] = done
 
     def waited(self, reason: str, since: float) -> None:
         """A worker thread was blocked from ``since`` (``time.perf_counter``) until now, waiting for
@@ -331,19 +330,12 @@ class HostWrites:
             self.expected[g] = self.expected.get(g, 0) + 1
         return self.by_slot[key]
 
-    def slot_landed(self, key: tuple[int, int], early: Collection[int] = ()) -> None:
-        """The gradient writes of slot ``key`` are on the host, but for ``early`` (the collector calls this;
-        :meth:`group_landed` counted those as each came)."""
+    def slot_landed(self, key: tuple[int, int]) -> None:
+        """The gradient writes of slot ``key`` are on the host (the collector calls this)."""
         with self._lock:
             self.summing.pop(key, None)
             for g in self.by_slot.get(key, ()):
-                if g not in early:
-                    self.landed[g] = self.landed.get(g, 0) + 1
-
-    def group_landed(self, g: int) -> None:
-        """One group's gradient write, copied straight into the host's, is there (before its slot's others)."""
-        with self._lock:
-            self.landed[g] = self.landed.get(g, 0) + 1
+                self.landed[g] = self.landed.get(g, 0) + 1
 
     def complete(self, rounds: int) -> tuple[set[int], str | None]:
         """Once no thread runs the flight: the groups whose writes all landed, and why another attempt

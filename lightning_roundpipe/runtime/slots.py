@@ -39,12 +39,6 @@ class LoadedSlot:
     staging: dict[int, Tensor] = field(default_factory=dict)
     summed_here: set[int] = field(default_factory=set)
     """Groups whose host partial sum comes up to be added on this device (``GradientUnloads._add_on_device``)."""
-    ranges_left: dict[int, int] = field(default_factory=dict)
-    """Per group copied straight into the host gradient, its download ranges not yet issued."""
-    cleared: set[int] = field(default_factory=set)
-    """Groups whose previous reader (the last update's math) was waited for (edge 4)."""
-    early: set[int] = field(default_factory=set)
-    """Groups whose download was handed to the collector on its own, before the slot's last part."""
 
 
 class WorkerSlots:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_roundpipe.runtime.collector import GradCollector, GradJob
 from lightning_roundpipe.runtime.flight import Flight
-from lightning_roundpipe.runtime.slots import LoadedSlot, WorkerSlots
+from lightning_roundpipe.runtime.slots import WorkerSlots
 from lightning_roundpipe.runtime.workers import Gate
 from lightning_roundpipe.schedule.actions import Action, Op
 from lightning_roundpipe.schedule.plan import Stage
@@ -56,12 +56,17 @@ class GradientUnloads:
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
             grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
+            if any(g in overwrite for g in grads):
+                waiting = time.perf_counter()
+                for gate in waits:  # edge 4: the previous step's update has read the gradients
+                    gate.wait()
+                flight.waited("update reads", waiting)
             # The tail slot sums its later writes on the device once the host sums are complete. No
             # compute is left for this worker to issue in this batch, so the wait delays no kernel.
             summed_here = key == self.tail
             if summed_here and any(g not in overwrite for g in grads):
                 waiting = time.perf_counter()
-                for gate in waits.values():  # the previous writers (edge 4 too, where it is one of them)
+                for gate in waits:  # the previous writers (edge 4 too, where it is one of them)
                     gate.wait()
                 flight.waited("earlier writes", waiting)
                 flight.host_writes.summing[key] = tuple(g for g in grads if g not in overwrite)
@@ -82,56 +87,24 @@ class GradientUnloads:
                 else:
                     loaded.staging[g] = dev.pool.take(grad.numel(), grad.dtype)
                     loaded.downloads[g] = (grad, loaded.staging[g])
-            for part in self.slots.parts(stage.slot, "G", action.parts):
-                for g, _, _ in part:
-                    if g in overwrite and g in loaded.downloads and g not in loaded.summed_here:
-                        loaded.ranges_left[g] = loaded.ranges_left.get(g, 0) + 1
-        for g, start, stop in sorted(self.slots.parts(stage.slot, "G", action.parts)[action.part], key=self._order):
+        for g, start, stop in self.slots.parts(stage.slot, "G", action.parts)[action.part]:
             if g in loaded.downloads:
                 source, destination = loaded.downloads[g]
                 if g in loaded.summed_here:
                     self._add_on_device(source, destination, start, stop)
-                    continue
-                if g in overwrite and g not in loaded.cleared and g in waits:
-                    waiting = time.perf_counter()
-                    waits[g].wait()  # edge 4, this group's: the previous step's update has read its gradient
-                    flight.waited("update reads", waiting)
-                    loaded.cleared.add(g)
-                self._download_range(source, destination, start, stop)
-                if g in loaded.ranges_left:
-                    loaded.ranges_left[g] -= 1
-                    if not loaded.ranges_left[g]:  # on the host once this copy is: the next math may read it
-                        self._land_early(loaded, flight, g, done[g])
+                else:
+                    self._download_range(source, destination, start, stop)
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
-            for g, (source, _) in loaded.downloads.items():
-                if g not in loaded.early:
-                    dev.keep_alive(source, dev.grad_down)
+            for source, _ in loaded.downloads.values():
+                dev.keep_alive(source, dev.grad_down)
             unwritten = [] if loaded.backward_ran else sorted(overwrite)  # no gradient reached them
             del self.slots.loaded[key]  # from here the collector owns its staging buffers
-            early = frozenset(loaded.early)
-            landed = partial(flight.host_writes.slot_landed, key, early)
-            rest = [gate for g, gate in done.items() if g not in early]
-            previous = [gate for g, gate in waits.items() if g not in early]
-            self.collector.submit(GradJob(loaded.staging, copied, previous, rest, unwritten, landed))
-            self.collecting.extend(rest)
+            landed = partial(flight.host_writes.slot_landed, key)
+            self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten, landed))
+            self.collecting.append(done)
             if self.overlap == "none":  # no overlap: compute waits for the download
                 dev.wait(dev.compute, copied)
-
-    def _order(self, piece: tuple[int, int, int]) -> tuple[int, int, int]:
-        """Deep groups first, as the optimizer updates them: each group's download waits only for its own update."""
-        g, start, _ = piece
-        return (-self.store.groups[g].layer, g, start)
-
-    def _land_early(self, loaded: LoadedSlot, flight: Flight, g: int, done: Gate) -> None:
-        """Hand one group's finished download to the collector, ahead of the slot's other groups."""
-        dev = self.device
-        source, _ = loaded.downloads[g]
-        ready = dev.record(dev.grad_down)
-        dev.keep_alive(source, dev.grad_down)
-        loaded.early.add(g)
-        self.collector.submit(GradJob({}, ready, [], [done], landed=partial(flight.host_writes.group_landed, g)))
-        self.collecting.append(done)
 
     def _add_on_device(self, source: Tensor, host: Tensor, start: int, stop: int) -> None:
         """``host[start:stop] += source[start:stop]``, summed on the device: the host's partial sum goes
