@@ -37,9 +37,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
   cast as soon as its math is done, not after the step's last read of the copy);
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
-- ``newcomer-release``: the defaults, and after a batch that left the allocator's reserve above 0.8 of the card
-  (or of ``--gpu-gib``), its cached blocks given back (an experiment against the reserve's creep with lengths
-  that vary, gentler than ``newcomer-capped``'s hard cap: ``cache_releases`` in the result counts them);
+- ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
+  blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
+  2026-12-04; ``cache_releases`` in the result counts them): the reserve left to creep with lengths that vary;
 - ``newcomer-sgd``: the defaults with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
@@ -393,7 +393,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-sgd", "newcomer-release", "newcomer-castbeside")
+    same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache", "newcomer-castbeside")
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
     if config == "newcomer-nokernels":
@@ -423,7 +423,7 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-release, newcomer-castbeside, newcomer-split, newcomer-sync,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
@@ -477,8 +477,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     else:
         data = DataLoader(Tokens(vocab, args.seqs * steps, args.seq_len), batch_size=per_batch)
     clock = Clock(args.warmup, args.warmup + args.steps, resident)
-    card = (args.gpu_gib * GiB if args.gpu_gib else torch.cuda.get_device_properties(0).total_memory) if cuda else 0
-    release = _Release(0.8 * card) if args.run == "newcomer-release" and cuda else None
     anatomy = Anatomy(args.warmup + args.steps, args.profile_steps)
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu" if cuda else "cpu", devices=1, precision=args.precision,
@@ -486,7 +484,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[
             clock, _Remember(), *([_ChunkedLoss()] if args.run == "newcomer-chunked" else []),
             *([_HostTrace(args.warmup)] if args.host_trace and not plain else []),
-            *([anatomy] if args.profile else []), *([release] if release is not None else []),
+            *([anatomy] if args.profile else []),
         ],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -522,7 +520,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             [b - a for a, b in zip(*clock.allocator_calls)] if len(clock.allocator_calls) == 2 else None
         ),
         "gpu_gib_cap": args.gpu_gib or None,
-        "cache_releases": release.releases if release is not None else None,
+        "cache_releases": getattr(trainer.strategy, "_last_engine", {}).get("cache_releases"),
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
@@ -622,11 +620,10 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(CudaWorkerDevice, "record", blocking):
             yield
         return
-    if config == "newcomer-release":  # CacheWatch judges the plan by the allocator's frees, not by _Release's
-        from lightning_roundpipe.runtime.device import CudaWorkerDevice
+    if config == "newcomer-keepcache":  # the allocator's reserve left where the batches took it
+        from lightning_roundpipe.engine.cache import CacheWatch
 
-        counted = CudaWorkerDevice.cache_releases
-        with mock.patch.object(CudaWorkerDevice, "cache_releases", lambda self: counted(self) - _Release.own):
+        with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
             yield
         return
     if config == "newcomer-castbeside":
@@ -832,25 +829,6 @@ class _HostTrace(L.Callback):
             state["main_threads"] = torch.get_num_threads()  # per thread: the optimizer thread may differ
 
 
-class _Release(L.Callback):
-    """``newcomer-release``: after a batch whose allocator reserve ended above ``limit`` bytes, the cached blocks
-    given back (``torch.cuda.empty_cache``), so the next batches cache only what their own shapes need."""
-
-    own = 0
-    """The allocator's frees these releases made: ``experiment`` hides them from ``CacheWatch``, which would
-    otherwise read them as the plan's pressure and try a smaller one."""
-
-    def __init__(self, limit: float) -> None:
-        self.limit, self.releases = limit, 0
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if torch.cuda.memory_reserved(0) > self.limit:
-            before = torch.cuda.memory_stats(0).get("num_device_free", 0)
-            torch.cuda.empty_cache()
-            _Release.own += torch.cuda.memory_stats(0).get("num_device_free", 0) - before
-            self.releases += 1
-
-
 class _Remember(L.Callback):
     """Keeps what roundpipe chose (plan, micro-batches, host step) before teardown closes the engine."""
 
@@ -868,6 +846,7 @@ class _Remember(L.Callback):
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
+            "cache_releases": engine.caches.releases,
             "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
             "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds

@@ -241,3 +241,28 @@ def test_a_fixed_plan_is_kept_and_the_warning_says_what_to_change():
         assert str(engine.plan) == "4|4,4" and engine.planner.memory_limit == 1e12
     finally:
         engine.close()
+
+
+class Holding(Freeing):
+    """A CPU worker whose allocator holds ``held`` bytes after each batch; a release frees 5 cached blocks."""
+
+    freeing = False
+
+    def release_cached(self) -> None:
+        self.released += 5
+        self.held = 0
+
+
+def test_a_cache_held_above_the_users_limit_is_given_back_and_its_frees_are_not_the_plans_pressure():
+    device, planner = Holding("cpu"), Planner({8.0: "A", 6.0: "B"})
+    watch = CacheWatch([device], planner, None, Clock(lambda: 1.0))  # type: ignore[arg-type]
+    for call in range(12):
+        device.held = 9  # above the 8 bytes allowed, after every batch
+        assert watch.next_plan(call, 8) is None  # its own frees (5 a release) never start a trial
+        assert device.held == 0
+    assert (watch.releases, device.released, watch.trials, watch.stopped) == (12, 60, [], False)
+    device.freeing = True  # frees of the plan's own (one per look) still count: two intervals of them start a trial
+    assert drive(watch, planner, range(12, 14)) == [(13, "B")]
+    device.held = 7  # a trial's lower limit (6) is not what the user allowed: nothing is given back under 8
+    assert watch.next_plan(14, 8) is None
+    assert (planner.memory_limit, watch.ceiling, device.held, watch.releases) == (6.0, 8.0, 7, 12)

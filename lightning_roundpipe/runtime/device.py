@@ -78,7 +78,13 @@ class WorkerDevice:
         """Wait for everything issued on this device."""
 
     def release_cached(self) -> None:
-        """Give the allocator's unused cached blocks back (after a batch ran out of memory)."""
+        """Give the allocator's unused cached blocks back (after a batch ran out of memory, or held more than
+        the plan's limit)."""
+
+    def reserved(self) -> int:
+        """Bytes the caching allocator holds from the device, in use or cached. The CPU stand-in:
+        :attr:`held` (what tests set)."""
+        return self.held
 
     def timer(self, stream: Any) -> Any:
         """A point in time on ``stream`` for :meth:`elapsed` and :meth:`since`. The CPU stand-in notes
@@ -117,6 +123,7 @@ class WorkerDevice:
         return self.released
 
     released = 0
+    held = 0
 
     def empty(self, numel: int, dtype: torch.dtype, stream: Any) -> Tensor:
         """A 1-D device buffer allocated for use on ``stream``."""
@@ -295,6 +302,9 @@ class CudaWorkerDevice(WorkerDevice):
 
     def cache_releases(self) -> int:
         return int(torch.cuda.memory_stats(self.device).get("num_device_free", 0))
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
 
     def timer(self, stream: Any) -> Any:
         event = torch.cuda.Event(enable_timing=True)
