@@ -21,8 +21,8 @@ Varying shapes (a language model's batches of changing lengths) leave blocks of 
 ask for: the allocator's reserve crept up to 21.6 GiB on a card capped at 24 GiB whose plan was for 19.2
 (Qwen3-1.7B shape, 8 sequences of 256-4096 tokens a step, 2026-12-04). So after a batch that left a device's
 allocator holding more than the limit the user allowed (``gpu_memory`` of the card), the cache goes back
-(:meth:`CacheWatch.release_over_limit`): 4 times in 34 batches there, NVML's peak 21.05 GiB against 22.96, at the
-same speed. Those frees are the watch's own, not the plan's pressure.
+(:meth:`CacheWatch.release_over_limit`). Done by a callback there: 4 times in 34 batches, NVML's peak 21.05 GiB
+against 22.96, 0.995x the speed. Those frees are the watch's own, not the plan's pressure.
 """
 
 from __future__ import annotations
