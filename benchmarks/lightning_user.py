@@ -43,6 +43,11 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-sgd``: the defaults with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
+- ``newcomer-resident``: the optimizer's states, the fp32 masters, their gradients and two bf16 compute copies kept
+  on the one GPU, the engine's order unchanged (a prototype patched into the engine for measurement only:
+  ``benchmarks/resident_prototype.py``; the host step leaves the host);
+- ``newcomer-noop``: an optimizer whose step does nothing (the host's math gone, its casts and the transfers left:
+  what the devices and the rest of the host's work give);
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
   or of ``--gpu-gib``, through ``torch.cuda.set_per_process_memory_fraction``; ``gpu_memory=1.0`` of that), so that
   the reserve cannot grow past the plan's limit: past it torch frees cached blocks first (an experiment);
@@ -237,6 +242,7 @@ class LM(L.LightningModule):
         self.model = model
         self.fused, self.deepspeed = fused, deepspeed
         self.sgd = False
+        self.noop = False
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -251,6 +257,8 @@ class LM(L.LightningModule):
             return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
         if self.sgd:  # an experiment's lighter host step: 12 bytes a parameter through memory, AdamW's 28
             return torch.optim.SGD(self.parameters(), lr=1e-5)
+        if self.noop:  # an experiment: no host math at all
+            return _NoStep(self.parameters())
         if self.fused:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
@@ -394,6 +402,7 @@ def strategy_for(
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
     same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache", "newcomer-castbeside")
+    same += ("newcomer-resident", "newcomer-noop")
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
     if config == "newcomer-nokernels":
@@ -423,7 +432,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-split, newcomer-sync,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-resident, newcomer-noop, newcomer-split,"
+        " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
@@ -465,6 +475,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             block.compile(**({"backend": args.compile_backend} if args.compile_backend else {}))
     module = LM(model, fused=fused, deepspeed=deepspeed)
     module.sgd = args.run == "newcomer-sgd"
+    module.noop = args.run == "newcomer-noop"
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
@@ -624,6 +635,12 @@ def experiment(config: str) -> Iterator[None]:
         from lightning_roundpipe.engine.cache import CacheWatch
 
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
+            yield
+        return
+    if config == "newcomer-resident":
+        from resident_prototype import resident_optimizer
+
+        with resident_optimizer():
             yield
         return
     if config == "newcomer-castbeside":
@@ -827,6 +844,16 @@ class _HostTrace(L.Callback):
         if state is not None:
             state["host_trace"] = rows[self.skip :]
             state["main_threads"] = torch.get_num_threads()  # per thread: the optimizer thread may differ
+
+
+class _NoStep(torch.optim.Optimizer):
+    """``newcomer-noop``: an optimizer whose step changes nothing."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> None:
+        return None
 
 
 class _Remember(L.Callback):
