@@ -35,7 +35,7 @@
 #        host-compiled (issue 39: the host step in one compiled pass) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
-#        varlen-8-resident fixed-resident (issue 39: the optimizer's states on the GPU, a prototype, against the defaults)
+#        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        varlen-8-castbeside (issue 39: the casts on a second host thread, with plain compiled blocks, one call)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
@@ -242,18 +242,21 @@ for step in "${steps[@]}"; do
       run varlen-8-castbeside 440 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
         --configs newcomer,newcomer-castbeside,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-castbeside.json" ;;
-    varlen-8-resident)  # issue 39: 8 a step, the optimizer's states kept on the GPU (newcomer-resident, a prototype:
-      # benchmarks/resident_prototype.py), the defaults, an optimizer that does nothing (newcomer-noop: the host's casts
-      # and transfers left) and plain with compiled blocks, one call. Expected: resident device-bound, 35-45k real
-      # tokens/s (SGD's host step of 0.5 s gave 30,074; the devices' own step about 0.32 s), losses equal to the
-      # defaults' to bf16 rounding (the same order); the defaults 23-25k; noop 30-40k. About 420-520 s
-      run varlen-8-resident 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
-        --configs newcomer-resident,newcomer,newcomer-noop,plain-compile --warmup 10 --steps 8 --host-trace \
-        --config-timeout 160 --out "$OUT/varlen-8-resident.json" ;;
-    fixed-resident)  # the same prototype on fixed 32 x 2048, full card (49.3-49.5k with the defaults): expected not
-      # slower, NVML about 34 GB above the defaults' 79 (the planner does not count the resident states). About 300 s
-      run fixed-resident 340 python benchmarks/lightning_user.py --configs newcomer-resident,newcomer --warmup 8 \
-        --steps 6 --config-timeout 160 --out "$OUT/fixed-resident.json" ;;
+    varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
+      # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,
+      # 35-45k real tokens/s (SGD's 0.5 s host step gave 30,074; the devices' own step about 0.32 s), its losses equal
+      # to the defaults' to bf16 rounding (the same order), NVML about 34 GB above the defaults' 49.5; the defaults
+      # 23-25k. About 330-420 s
+      run varlen-8-devopt 470 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer-devopt,newcomer,plain-compile --warmup 10 --steps 8 --host-trace \
+        --config-timeout 150 --out "$OUT/varlen-8-devopt.json" ;;
+    fixed-devopt)  # the same on fixed 32 x 2048, full card (49.3-49.5k with the defaults): expected not slower,
+      # the plan under 0.8 of the card less the 32 GiB of states. About 300 s
+      run fixed-devopt 340 python benchmarks/lightning_user.py --configs newcomer-devopt,newcomer --warmup 8 \
+        --steps 6 --config-timeout 160 --out "$OUT/fixed-devopt.json" ;;
+    varlen-8-noop)  # an optimizer that does nothing (the host's math gone; its casts and transfers left), 8 a step
+      run varlen-8-noop 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --configs newcomer-noop \
+        --warmup 10 --steps 8 --host-trace --config-timeout 180 --out "$OUT/varlen-8-noop.json" ;;
     varlen-8-ceiling)  # issue 39: 8 a step, the defaults beside SGD in AdamW's place (12 bytes a parameter through
       # host memory against 28: the host step near 0.15 + 0.19 s instead of 0.47 + 0.19): if the host bounds the step,
       # SGD's tokens/s is what the devices give with a lighter host step (expected 30-35k against 24k). About 230 s

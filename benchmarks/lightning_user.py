@@ -43,9 +43,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-sgd``: the defaults with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
-- ``newcomer-resident``: the optimizer's states, the fp32 masters, their gradients and two bf16 compute copies kept
-  on the one GPU, the engine's order unchanged (a prototype patched into the engine for measurement only:
-  ``benchmarks/resident_prototype.py``; the host step leaves the host);
+- ``newcomer-devopt``: ``RoundPipeStrategy(optimizer_on="device")``: the optimizer's states, the fp32 masters, their
+  gradients and two bf16 compute copies kept on the one GPU, the engine's order unchanged (the host step leaves the
+  host);
 - ``newcomer-noop``: an optimizer whose step does nothing (the host's math gone, its casts and the transfers left:
   what the devices and the rest of the host's work give);
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
@@ -402,9 +402,11 @@ def strategy_for(
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
     same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache", "newcomer-castbeside")
-    same += ("newcomer-resident", "newcomer-noop")
+    same += ("newcomer-noop",)
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
+    if config == "newcomer-devopt":
+        return RoundPipeStrategy(optimizer_on="device"), False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
     if config == "newcomer-generic":
@@ -432,7 +434,7 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-resident, newcomer-noop, newcomer-split,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-devopt, newcomer-noop, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -635,12 +637,6 @@ def experiment(config: str) -> Iterator[None]:
         from lightning_roundpipe.engine.cache import CacheWatch
 
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
-            yield
-        return
-    if config == "newcomer-resident":
-        from resident_prototype import resident_optimizer
-
-        with resident_optimizer():
             yield
         return
     if config == "newcomer-castbeside":

@@ -72,4 +72,5 @@ def build_engine(
         replan_margin=options.replan_margin,
         memory_limit=device_memory_limit(devices, float(options.gpu_memory)),
         double_buffer=options.double_buffer if asynchronous else "none",
+        optimizer_on=options.optimizer_on if asynchronous else "host",
     )

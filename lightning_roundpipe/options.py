@@ -72,6 +72,13 @@ class RoundPipeOptions:
     asynchronous mode gradient clipping runs on the optimizer thread, the LR and other hyper-parameters
     are those in effect when the step is submitted, and ``p.grad`` is not available in
     ``on_after_backward`` / ``on_before_optimizer_step``."""
+    optimizer_on: str = "host"
+    """Where the asynchronous optimizer keeps the trainable weights' training states and steps them: ``"host"``
+    (host memory, the RoundPipe design), or ``"device"``: on the one GPU, for a model whose fp32 masters, gradients,
+    two compute copies and optimizer states (about 20 bytes a trainable parameter with AdamW) fit beside the plan,
+    within ``gpu_memory``. The same updates in the same order (staleness one); the host's masters and states are
+    brought up to date at every checkpoint, validation and the end of training. One GPU, one node, not
+    ``16-mixed``; an experiment until measured (docs/perf-notes.md)."""
     double_buffer: bool | str = False
     """With ``async_optimizer``, a second host compute copy of trainable weights, so each update is cast
     into the copy the step after next reads as soon as it is computed. Without it the next step's first
@@ -167,6 +174,11 @@ class RoundPipeOptions:
                 f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
                 " weight casts; it needs async_optimizer=True"
             )
+        if self.optimizer_on not in ("host", "device"):
+            raise ValueError(f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) must be 'host' or 'device'")
+        if self.optimizer_on == "device" and not self.async_optimizer:
+            raise ValueError("RoundPipeStrategy(optimizer_on='device') is the asynchronous optimizer's: it needs"
+                             " async_optimizer=True")  # fmt: skip
         self.timeout = _timeout(self.timeout)
         if isinstance(self.plan, str) and self.plan != "auto":
             self.plan = StagePlan.parse(self.plan)

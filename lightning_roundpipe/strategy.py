@@ -59,6 +59,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         gpu_memory: what a plan may use per device: a fraction (``0.8``), bytes or ``"24GiB"``.
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
+        optimizer_on: the asynchronous optimizer's states and steps on the ``"host"`` or, where they fit, the one
+            GPU (``"device"``).
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
         split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's, packed where torch's
@@ -87,6 +89,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
         double_buffer: bool | str = False,
+        optimizer_on: str = "host",
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,

@@ -74,7 +74,7 @@ def benchmark_command(name: str, out: Path) -> list[str]:
         args = [*SMOKE["baselines"], "--run", "roundpipe", "--split-blocks", "--tile-tokens", "8"]
         return [sys.executable, str(ROOT / "benchmarks" / "baselines.py"), *args]
     if name == VARLEN:
-        args = ["--device", "cpu", "--model", "debug", "--configs", "plain,plain-packed,newcomer,newcomer-resident",
+        args = ["--device", "cpu", "--model", "debug", "--configs", "plain,plain-packed,newcomer,newcomer-devopt",
                 "--varlen", "4,40", "--seqs", "8", "--micro-batch", "4", "--steps", "2", "--warmup", "2",
                 "--in-process", *TINY]  # fmt: skip
         return [sys.executable, str(ROOT / "benchmarks" / "lightning_user.py"), *args, "--out", str(out)]
@@ -359,12 +359,12 @@ def test_split_blocks_is_the_same_model_with_twice_the_layers():
 def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(benchmark_runs):
     """``--varlen`` (issue 39): instruction-like sequences padded per batch, or packed for plain; tokens/s
     counts the real tokens, the same number of them in every configuration's timed steps."""
-    proc = benchmark_runs.result(VARLEN)  # plain,plain-packed,newcomer,newcomer-resident --varlen 4,40 --seqs 8
+    proc = benchmark_runs.result(VARLEN)  # plain,plain-packed,newcomer,newcomer-devopt --varlen 4,40 --seqs 8
     out = Path(proc.args[proc.args.index("--out") + 1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert not failed_configurations(results), results
     real = {round(r["tokens_per_s"] * r["timed_seconds"]) for r in results}
     assert len(real) == 1 and real.pop() < 8 * 40 * 2  # the same real tokens, fewer than the padded ones
-    losses = {r["config"]: r["losses"] for r in results}  # the resident prototype keeps the engine's order: on the
-    assert losses["newcomer-resident"] == losses["newcomer"] and len(losses["newcomer"]) == 4  # CPU the same math
+    losses = {r["config"]: r["losses"] for r in results}  # the device optimizer keeps the engine's order: on the
+    assert losses["newcomer-devopt"] == losses["newcomer"] and len(losses["newcomer"]) == 4  # CPU the same math

@@ -208,7 +208,9 @@ def test_lightning_on_gpu_matches_cpu():
     assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
 
 
-def async_matches_staleness_one(devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str) -> None:
+def async_matches_staleness_one(
+    devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str = "host"
+) -> None:
     from test_async import staleness_one_reference
 
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
@@ -220,7 +222,7 @@ def async_matches_staleness_one(devices: list[WorkerDevice], microbatches: int, 
     ours = copy.deepcopy(model)
     engine = PipelineEngine(
         list(ours.children()), devices, microbatches_per_round=microbatches, asynchronous=True,
-        double_buffer=double_buffer,
+        double_buffer=double_buffer, optimizer_on=optimizer_on,
     )  # fmt: skip
     opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
     try:
@@ -237,6 +239,24 @@ def async_matches_staleness_one(devices: list[WorkerDevice], microbatches: int, 
 @pytest.mark.parametrize("double_buffer", [False, True, "first"])
 def test_async_optimizer_on_gpu_equals_staleness_one_reference(double_buffer):
     async_matches_staleness_one([CudaWorkerDevice("cuda:0", i) for i in range(2)], 3, double_buffer)
+
+
+@pytest.mark.timeout(120)
+def test_the_optimizer_on_the_gpu_equals_staleness_one_reference():
+    """``optimizer_on="device"``: the states and updates on the GPU, their gates opened after the device's work."""
+    async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on="device")
+
+
+@pytest.mark.timeout(180)
+def test_the_optimizer_on_the_gpu_through_lightning_matches_the_host_optimizer_on_the_cpu():
+    strategy = RoundPipeStrategy(num_microbatches=3, optimizer_on="device", plan="3,2|4,2,3")
+    gpu = fit(lambda: BoringPipeline(scheduler=True), {"accelerator": "gpu", "devices": 1, "strategy": strategy})
+    cpu = fit(
+        lambda: BoringPipeline(scheduler=True),
+        {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3")},
+    )
+    assert gpu.model[0].weight.device.type == "cpu"  # the trained masters are back in the module
+    assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
 
 
 def test_chunked_loss_stage_peak_memory_is_a_fraction_of_full_logits():

@@ -77,12 +77,13 @@ class CacheWatch:
         planner: AutoPlanner,
         store: HostStore,
         clock: Callable[[], float] = time.perf_counter,
+        ceiling: float | None = None,
     ) -> None:
         self.devices = list(devices)
         self.planner, self.store, self.clock = planner, store, clock
-        self.ceiling = planner.memory_limit
-        """The memory the user allowed each device (bytes; ``None``: no limit): what the plan began under,
-        not a trial's lower limit."""
+        self.ceiling = planner.memory_limit if ceiling is None else ceiling
+        """The memory the user allowed each device (bytes; ``None``: no limit): what the plan began under (with
+        the optimizer on the device, that and its states), not a trial's lower limit."""
         self.releases = 0
         """Caches given back after a batch that left an allocator holding more than :attr:`ceiling`."""
         self._own = 0  # the allocators' frees those releases made

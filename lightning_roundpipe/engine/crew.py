@@ -26,6 +26,7 @@ from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 from lightning_roundpipe.runtime.replicas import plain_attributes
+from lightning_roundpipe.runtime.resident import ResidentStates
 from lightning_roundpipe.runtime.workers import Task, WorkerPool
 from lightning_roundpipe.schedule.plan import StagePlan
 
@@ -76,6 +77,13 @@ class Crew:
             [d.enter_thread for d in self.devices],
             self.on_error,
         )
+
+    def use_resident(self, resident: ResidentStates | None) -> None:
+        """``optimizer_on="device"``: the worker and the optimizer thread work on ``resident`` (``None``: the host)."""
+        if resident is not None:
+            self.executors[0].slots.resident = resident
+            assert self.optimizer is not None
+            self.optimizer.resident = resident
 
     @property
     def num_workers(self) -> int:

@@ -41,8 +41,9 @@ from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
+from lightning_roundpipe.runtime.resident import OPTIMIZER_PLACES, ResidentStates
 from lightning_roundpipe.runtime.workers import PipelineAborted
-from lightning_roundpipe.schedule import OVERLAPS, Overlap, Schedule, StagePlan, batch_schedule
+from lightning_roundpipe.schedule import OVERLAPS, Overlap, StagePlan
 
 
 class PipelineEngine:
@@ -70,6 +71,8 @@ class PipelineEngine:
             previous update on the calling thread (paper section 4.3.2's blocking baseline; same numerics).
         double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
+        optimizer_on: ``"host"``, or ``"device"``: the trainable groups' states and updates on the one worker
+            device (:mod:`~lightning_roundpipe.runtime.resident`), within ``memory_limit``.
     """
 
     def __init__(
@@ -92,18 +95,22 @@ class PipelineEngine:
         planner: str = "fastest",
         memory_limit: float | None = None,
         double_buffer: bool | str = False,
+        optimizer_on: str = "host",
     ) -> None:
         self.layers, self.devices = list(layers), list(devices)
         self.num_workers = len(self.devices)
         self.overlap, self.asynchronous, self.consistency = overlap, asynchronous, consistency
         buffers = double_buffering(double_buffer)
-        _check_arguments(self, microbatches_per_round, num_rounds, buffers)
+        _check_arguments(self, microbatches_per_round, num_rounds, buffers, optimizer_on)
         self.pool = HostPool(pin=any(d.device.type == "cuda" for d in devices))
         self.planner = AutoPlanner(  # checks the plan and planner arguments before the layers move
             plan, len(self.layers), self.num_workers, microbatches_per_round, num_rounds, asynchronous,
             self.pool, profile_steps, replan_margin, check_every, planner, memory_limit,
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
+        self.resident = ResidentStates(self.store, self.devices[0]) if optimizer_on == "device" else None
+        if self.resident is not None:  # the states on the device, the plan's stages under what is left
+            self.planner.memory_limit = self.resident.plan_limit(memory_limit)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
         self.crew = Crew(
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
@@ -123,7 +130,8 @@ class PipelineEngine:
         )
         self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, self.planner, overlap)
         self.stats = StepStats(self.num_workers)
-        self.caches = CacheWatch(self.devices, self.planner, self.store)
+        self.caches = CacheWatch(self.devices, self.planner, self.store, ceiling=memory_limit)  # states included
+        self.crew.use_resident(self.resident)
         self.dispatch_position = 0
         """Worker the next batch's first slot goes to."""
         self.calls = 0
@@ -145,13 +153,9 @@ class PipelineEngine:
 
     def use_exchange(self, exchange: NodeExchange) -> None:
         """Several nodes, asynchronous mode: the optimizer thread exchanges gradients and weights (nodes.py)."""
-        if self.crew.optimizer is None:
-            raise RuntimeError("use_exchange is for the asynchronous engine; the strategy exchanges synchronously")
+        if self.crew.optimizer is None or self.resident is not None:
+            raise RuntimeError("several nodes exchange through the asynchronous host optimizer: optimizer_on='host'")
         self.crew.optimizer.exchange = exchange
-
-    def schedule(self, first_worker: int, per_round: int, rounds: int) -> Schedule:
-        """The validated schedule of a batch starting at ``first_worker`` under the current plan."""
-        return batch_schedule(self.plan, self.num_workers, per_round, rounds, first_worker, self.overlap)
 
     def set_plan(self, plan: StagePlan) -> None:
         """Switch plans between batches: each flight carries its own schedule, so nothing drains."""
@@ -180,6 +184,9 @@ class PipelineEngine:
         of :mod:`~lightning_roundpipe.runtime.optimizer_worker`); a batch after a promised last one is refused."""
         self.crew.check_usable()
         self.steps.check_open()
+        if self.resident is not None and self.resident.host_changed():  # a loaded checkpoint, say: take it up
+            self.flush()
+            self.resident.from_host(self.steps.step)
         self.stats.submitted(self.calls)
         self._harvest()  # a measurement just finished may change the plan and micro-batch count of this batch
         batch = Batch(inputs, target, loss_fn, reduction, grad_scale, samples_of(inputs, target, split), split)
@@ -196,7 +203,7 @@ class PipelineEngine:
         self.caches.ran(flight.call, sum(flight.microbatch_elements))
         if attempt.mark is not None:  # settles; out of device memory it runs again on a smaller plan
             relaunch = partial(self._relaunch, batch, flight.call, start)
-            flight = self.recovery.settle(attempt, relaunch, None if self.asynchronous else self._recover)
+            flight = self.recovery.settle(attempt, relaunch, None if self.asynchronous else self.recovery.drop)
             if self.asynchronous:
                 self.steps.joined(flight, last_of_step)
             self.recovery.succeeded(batch.largest)
@@ -210,7 +217,7 @@ class PipelineEngine:
             self.stats.returned()
             return loss
         else:
-            self.crew.settle(attempt.tasks, lambda: self._recover(flight))
+            self.crew.settle(attempt.tasks, lambda: self.recovery.drop(flight))
         self._harvest(wait=True)
         loss = flight.batch_loss()
         self.stats.returned()
@@ -236,7 +243,7 @@ class PipelineEngine:
     def _give_back(self, flight: Flight) -> None:
         """A flight built but never dispatched: its gates in the gradient chain would never open."""
         if not self.asynchronous:
-            self._recover(flight)
+            self.recovery.drop(flight)
         else:
             self.crew.failed = True
 
@@ -262,6 +269,8 @@ class PipelineEngine:
         if not self.asynchronous:
             raise RuntimeError("submit_step needs an engine built with asynchronous=True")
         self.crew.check_usable()
+        if self.resident is not None and spec.scaler is not None:
+            raise ValueError("optimizer_on='device' does not scale losses (precision='16-mixed'): use bf16")
         if self.consistency == "barrier" and self.steps.windows[self.steps.step].flights:
             self.flush()  # drain, then cast the previous update here, all groups at once
             self.steps.cast_previous_here()
@@ -274,6 +283,8 @@ class PipelineEngine:
         self.crew.drain()
         if self.crew.optimizer is not None:
             self.crew.optimizer.wait_math()
+        if self.resident is not None:
+            self.resident.to_host(self.steps.step)
         self.crew.prune()
         if self.crew.error is not None:
             self.crew.fail()
@@ -319,14 +330,6 @@ class PipelineEngine:
         load_engine_state(self, state)
 
     # ------------------------------------------------------------------ failures and close-down
-    def _recover(self, flight: Flight) -> None:
-        """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
-        and host buffers, and be ready again (workers never write the host weights: they are intact)."""
-        flight.release_all()
-        self.steps.grad_chain.clear()
-        self.store.clear_grads()
-        self.crew.reset()
-
     def close(self) -> None:
         """Finish pending updates, stop every thread and unpin host memory; idempotent."""
         if self.crew.closed:
@@ -346,7 +349,7 @@ class PipelineEngine:
 
 
 def _check_arguments(
-    engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str
+    engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str, optimizer_on: str
 ) -> None:
     """Refuse arguments the engine cannot run with, before anything is allocated."""
     if not engine.layers:
@@ -365,5 +368,10 @@ def _check_arguments(
         raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
     if engine.consistency not in ("layerwise", "barrier"):
         raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
+    if optimizer_on not in OPTIMIZER_PLACES:
+        raise ValueError(f"optimizer_on={optimizer_on!r} is not one of {OPTIMIZER_PLACES}")
+    if optimizer_on == "device" and (engine.num_workers, engine.asynchronous, engine.consistency) != (
+        1, True, "layerwise"):  # fmt: skip
+        raise ValueError("optimizer_on='device' is for one worker device and the asynchronous, layerwise optimizer")
     if double_buffer != "none" and not engine.asynchronous:
         raise ValueError(f"double_buffer={double_buffer!r} is for the asynchronous optimizer (asynchronous=True)")

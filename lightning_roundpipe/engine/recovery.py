@@ -65,6 +65,14 @@ class Recovery:
         self._largest = 0.0  # input elements of the largest micro-batch that ran on the current plan
         self._plan_since = -1
 
+    def drop(self, flight: Flight) -> None:
+        """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
+        and host buffers, and be ready again (workers never write the host weights: they are intact)."""
+        flight.release_all()
+        self.steps.grad_chain.clear()
+        self.store.clear_grads()
+        self.crew.reset()
+
     def guards(self, call: int, microbatch_elements: float) -> bool:
         """Whether batch ``call``, whose largest micro-batch holds ``microbatch_elements`` input elements,
         runs guarded (the module docstring says which and why)."""

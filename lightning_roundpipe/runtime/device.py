@@ -65,6 +65,10 @@ class WorkerDevice:
         """An event marking the work issued so far on ``stream`` (``None`` on CPU: already done)."""
         return None
 
+    def new_stream(self) -> Any:
+        """A stream of its own (the device optimizer's; ``None`` on CPU)."""
+        return None
+
     def wait(self, stream: Any, event: Any) -> None:
         """Make ``stream`` wait, on the device, for ``event`` (which may come from another device)."""
 
@@ -280,6 +284,9 @@ class CudaWorkerDevice(WorkerDevice):
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(self.device)
 
     def wait(self, stream: Any, event: Any) -> None:
         if event is not None:

@@ -91,6 +91,11 @@ class StageExecutor:
         """When a list: (\"action\", worker, batch, action, start time) is appended for every action."""
 
     @property
+    def slots(self) -> WorkerSlots:
+        """What this worker's handlers share (the engine sets its resident states there)."""
+        return self._slots
+
+    @property
     def base_seed(self) -> int:
         """Seed of the layers' generators; the engine sets it when it loads a saved state."""
         return self._replicas.base_seed

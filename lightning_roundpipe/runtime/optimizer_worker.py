@@ -36,6 +36,7 @@ from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.resident import ResidentStates
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
 
@@ -128,6 +129,8 @@ class OptimizerWorker:
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
+        self.resident: ResidentStates | None = None
+        """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -188,6 +191,15 @@ class OptimizerWorker:
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
+        if self.resident is not None:  # the device updates and casts; a resumed cast comes with its states
+            if job.spec is not None:
+                working, norm = self.resident.update(job, self.trace)
+                if norm is not None:
+                    self.grad_norms.append((job.step, norm))
+                self.last_update = (job.step, working)
+            for gate in job.cast_done.values():
+                gate.set()
+            return
         if job.spec is not None:
             self._math(job)
         job.math_done.set()

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.resident import ResidentStates
 from lightning_roundpipe.schedule.plan import Stage, StagePlan
 from lightning_roundpipe.schedule.transfers import pack_parts
 
@@ -58,6 +59,8 @@ class WorkerSlots:
         self.trainable: dict[int, tuple[int, ...]] = {}
         """Per slot, its trainable groups (what its gradient unload copies)."""
         self._pieces: dict[tuple[int, str, int], Parts] = {}
+        self.resident: ResidentStates | None = None
+        """``optimizer_on="device"``: the trainable groups' states on this device (training reads its copies)."""
         self.use_plan(plan)
 
     def use_plan(self, plan: StagePlan) -> None:

@@ -53,6 +53,8 @@ class GradientUnloads:
             return
         waits, done = flight.grad_order[key]
         overwrite = flight.overwrite[key]
+        if self.slots.resident is not None:
+            return self._into_resident(stage, action, flight, loaded, key)
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
             grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
@@ -104,6 +106,38 @@ class GradientUnloads:
             self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten, landed))
             self.collecting.append(done)
             if self.overlap == "none":  # no overlap: compute waits for the download
+                dev.wait(dev.compute, copied)
+
+    def _into_resident(self, stage: Stage, action: Action, flight: Flight, loaded: Any, key: tuple[int, int]) -> None:
+        """``optimizer_on="device"``: the slot's gradients go into the groups' device gradients on the
+        gradients-down stream after everything the slot computed (its reads of the copies included); they are
+        there for good once queued (the next attempt of a failed batch skips them), and the collector opens the
+        slot's gate once the device did them."""
+        dev, resident = self.device, self.slots.resident
+        assert resident is not None
+        waits, done = flight.grad_order[key]
+        overwrite = flight.overwrite[key]
+        groups = [g for g in self.slots.trainable[stage.slot] if g not in flight.host_writes.skip]
+        if action.is_first_part:
+            if any(g in overwrite for g in groups):
+                waiting = time.perf_counter()
+                for gate in waits:  # edge 4: the previous step's update has read the gradients
+                    gate.wait()
+                flight.waited("update reads", waiting)
+            dev.wait(dev.grad_down, loaded.last_compute if loaded.backward_ran else dev.record(dev.compute))
+            with dev.on(dev.grad_down):
+                for g in groups:
+                    grad = loaded.grads.get(g) if loaded.backward_ran else None
+                    resident.write_gradient(g, grad, g in overwrite)
+                    if grad is not None:
+                        dev.keep_alive(grad, dev.grad_down)
+            flight.host_writes.slot_landed(key)
+        if action.is_last_part:
+            copied = dev.record(dev.grad_down)
+            del self.slots.loaded[key]
+            self.collector.submit(GradJob({}, copied, waits, done))
+            self.collecting.append(done)
+            if self.overlap == "none":
                 dev.wait(dev.compute, copied)
 
     def _add_on_device(self, source: Tensor, host: Tensor, start: int, stop: int) -> None:

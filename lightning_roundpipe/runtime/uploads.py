@@ -44,14 +44,20 @@ class WeightUploads:
             if handoff:
                 flight.cast_wait = time.perf_counter() - waiting
                 flight.first_upload.append(dev.timer(dev.param_up))
+            groups, resident = self.store.groups, None if flight.evaluating else self.slots.resident
             self.slots.loaded[key] = LoadedSlot(
-                {
-                    g: dev.empty(self.store.groups[g].compute.numel(), self.store.groups[g].compute.dtype, dev.param_up)
+                {  # a resident group's slot tensor is the device's copy for the step: nothing to upload
+                    g: resident.reads(g, flight.step)
+                    if resident is not None and groups[g].trainable
+                    else dev.empty(groups[g].compute.numel(), groups[g].compute.dtype, dev.param_up)
                     for g in self.slots.groups[stage.slot]
                 }
             )
         loaded = self.slots.loaded[key]
+        resident = None if flight.evaluating else self.slots.resident
         for g, start, stop in self.slots.parts(stage.slot, "W", action.parts)[action.part]:
+            if resident is not None and self.store.groups[g].trainable:
+                continue
             source = self.store.reads(g, flight.step)
             dev.copy_up(loaded.flats[g][start:stop], source[start:stop], dev.param_up)
         if action.is_last_part:

@@ -1,0 +1,275 @@
+"""The optimizer on the device (``RoundPipeStrategy(optimizer_on="device")``): for models whose training states
+fit on the one GPU beside the plan.
+
+With the optimizer on the host, every step moves about 40 bytes a parameter through host memory (AdamW reads and
+writes 28, the cast 6, the gradients' arrival and the weights' departure 6), and on one H200 with the Qwen3-1.7B
+shape at 8 sequences a step that bounded the step: letting those parts overlap more made it slower, and SGD's
+lighter math ran 30,074 real tokens/s against AdamW's 24,005 (docs/benchmarks.md, 2026-12-04). Here, per trainable
+group, the worker's device holds the fp32 master, its fp32 gradient, two compute copies (step ``k`` reads copy
+``k % 2``) and the optimizer's states; nothing of them crosses PCIe during training.
+
+The engine's order is kept exactly (staleness one; the edges of :mod:`~lightning_roundpipe.runtime.optimizer_worker`),
+with the same host gates, each opened only once the device work behind it finished:
+
+- a slot's gradients go into the group's device gradient (copied by the step's first write, added by later ones)
+  on the gradients-down stream after the slot's compute; the collector opens the slot's gate once they are there;
+- update ``k`` steps each group (deep first) once its gradient is complete (edge 3), then casts its master into
+  copy ``k % 2``, which step ``k + 2`` reads (edge 2) and step ``k`` read last: its gradient being complete means
+  step ``k`` is done with the group (edge 1); the thread waits for the device before opening the group's gates.
+
+The host stays the checkpoint's and the user's view: :meth:`ResidentStates.to_host` (at every flush: checkpoints,
+evaluation, teardown) writes the masters, the optimizer's states and the compute copy the next step reads back,
+and :meth:`ResidentStates.from_host` takes them up again where something changed them there (a loaded checkpoint,
+a user's edit) before the next training batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_roundpipe.runtime.callers import outside_package
+from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.host_store import HostStore
+
+OPTIMIZER_PLACES = ("host", "device")
+
+
+def resident_bytes(store: HostStore, state_bytes_per_parameter: int = 8) -> int:
+    """Device bytes the resident states take: masters, gradients, two compute copies, and the optimizer's states
+    (estimated: AdamW's two fp32 moments, 8 bytes a parameter; they exist from the first update on)."""
+    total = 0
+    for group in store.groups:
+        if group.trainable:
+            n = group.data.numel()
+            total += n * (2 * group.data.element_size() + 2 * group.compute.element_size() + state_bytes_per_parameter)
+    return total
+
+
+class ResidentStates:
+    """The trainable groups' training states on one worker device (see the module docstring)."""
+
+    def __init__(self, store: HostStore, device: WorkerDevice) -> None:
+        self.store, self.device = store, device
+        self.groups = tuple(g.index for g in store.groups if g.trainable)
+        self.master: dict[int, Tensor] = {}
+        self.grad: dict[int, Tensor] = {}
+        self.copies: dict[int, tuple[Tensor, Tensor]] = {}
+        self.stream: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        """The user's optimizer the shadow was built from (its states go back into it)."""
+        self._shadow: torch.optim.Optimizer | None = None
+        self._params: dict[int, list[tuple[nn.Parameter, nn.Parameter, Tensor]]] = {}
+        self._seen: tuple[Any, ...] | None = None  # what the host held when the device last matched it
+        self._ahead = False  # updates the host has not seen
+        self._room: Tensor | None = None
+        """Until the first update: the bytes its optimizer states will take, held on the optimizer's stream so
+        that they come from this block (freed to that stream's cache just before) and no layer measured
+        meanwhile counts them in its memory peak."""
+
+    def plan_limit(self, memory_limit: float | None) -> float | None:
+        """What the plan's stages may use on the device beside these states (``None``: no limit)."""
+        need = resident_bytes(self.store)
+        if memory_limit is not None and need >= 0.8 * memory_limit:
+            raise ValueError(
+                f"optimizer_on='device' keeps {need / 2**30:.1f} GiB of training states on the device, too much of"
+                f" the {memory_limit / 2**30:.1f} GiB it may use: use optimizer_on='host'"
+            )
+        return None if memory_limit is None else memory_limit - need
+
+    def reads(self, g: int, step: int) -> Tensor:
+        """The compute copy training step ``step`` reads on the device."""
+        return self.copies[g][step % 2]
+
+    # ------------------------------------------------------------------ gradients (a worker's thread)
+    def write_gradient(self, g: int, grad: Tensor | None, overwrite: bool) -> None:
+        """On the current stream: a slot's gradient into the group's (``None``: none reached it)."""
+        if grad is None:
+            if overwrite:
+                self.grad[g].zero_()
+        elif overwrite:
+            self.grad[g].copy_(grad)
+        else:
+            self.grad[g].add_(grad)
+
+    # ------------------------------------------------------------------ updates (the optimizer thread)
+    def update(self, job: Any, trace: list[tuple[Any, ...]] | None = None) -> tuple[float, float | None]:
+        """Update ``job.step`` group by group in its order, then cast each master into copy ``job.step % 2``.
+        Returns the seconds the device work took as the host waited for it, and the gradients' global 2-norm
+        before clipping where asked (else ``None``)."""
+        spec = job.spec
+        self._room = None  # the states are allocated from here on (on this stream, where the block went back)
+        with self.device.on(self.stream):
+            self._use(spec.optimizer)
+        assert self._shadow is not None
+        for group, hyper in zip(self._shadow.param_groups, spec.hyperparameters):
+            group.update(hyper)
+        dev, working, coefficient, total = self.device, 0.0, 1.0, None
+        clip_norm = spec.clip_value is not None and spec.clip_algorithm == "norm"
+        if clip_norm or spec.measure_norm:
+            for g in job.groups:
+                job.grads_complete[g].wait()
+            start = time.perf_counter()
+            with dev.on(self.stream):
+                norms = torch.stack([torch.linalg.vector_norm(self.grad[g].float()) for g in job.groups])
+                total = float(torch.linalg.vector_norm(norms.double()))
+            working += time.perf_counter() - start
+            if clip_norm:
+                coefficient = min(1.0, spec.clip_value / (total + 1e-6))
+        for g in job.groups:
+            job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
+            start = time.perf_counter()
+            with dev.on(self.stream):
+                if spec.clip_value is not None and spec.clip_algorithm == "value":
+                    self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
+                elif coefficient < 1.0:
+                    self.grad[g].mul_(coefficient)
+                self._step_group(g)
+                self.copies[g][job.step % 2].copy_(self.master[g])  # what step k + 2 reads (edges 1 and 2)
+            dev.host_wait(dev.record(self.stream))
+            job.consumed[g].set()  # edge 4: the next step's first write may overwrite the gradient
+            job.cast_done[g].set()
+            end = time.perf_counter()
+            working += end - start
+            if trace is not None:
+                trace.append(("update", job.step, g, start, end))
+        self._ahead = True
+        return working, total
+
+    def _own_bytes(self) -> int:
+        return sum(t.nbytes for g in self.groups for t in (self.master[g], self.grad[g], *self.copies[g]))
+
+    def _step_group(self, g: int) -> None:
+        assert self._shadow is not None
+        pairs = self._params[g]
+        for _, sp, grad in pairs:
+            sp.grad = grad
+        self._shadow.step()
+        for _, sp, _ in pairs:
+            sp.grad = None
+
+    def _use(self, optimizer: torch.optim.Optimizer) -> None:
+        """The shadow of ``optimizer`` over the device masters (rebuilt, states taken from the host, when the
+        user's optimizer or its state dict changed)."""
+        if self.optimizer is optimizer and self._shadow is not None:
+            return
+        self.optimizer = optimizer
+        shadow = copy.copy(optimizer)
+        shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper, bound to the real optimizer
+        of: dict[int, nn.Parameter] = {}
+        self._params = {}
+        for group in self.store.groups:
+            if group.trainable:
+                pairs = []
+                for p, offset in group.params:
+                    span = slice(offset, offset + p.numel())
+                    sp = nn.Parameter(self.master[group.index][span].view(p.shape), requires_grad=p.requires_grad)
+                    of[id(p)] = sp
+                    pairs.append((p, sp, self.grad[group.index][span].view(p.shape)))
+                self._params[group.index] = pairs
+        shadow.param_groups = [
+            {**group, "params": [of[id(p)] for p in group["params"] if id(p) in of]} for group in optimizer.param_groups
+        ]
+        shadow.state = collections.defaultdict(dict)  # type: ignore[assignment]
+        self._shadow = shadow
+        self._states_from_host()
+        if self._seen is not None:  # the states just taken are what the host holds
+            self._seen = (self._seen[0], self._state_view())
+
+    # ------------------------------------------------------------------ the host's view
+    def from_host(self, step: int) -> bool:
+        """Before a training batch of ``step``: take the masters, states and compute copies from the host where
+        it changed them since the device last matched it (the first batch, a loaded checkpoint, a user's edit).
+        Returns whether it did."""
+        if not self.host_changed():
+            return False
+        dev = self.device
+        if not self.master:
+            self.stream = dev.new_stream()
+            for g in self.groups:
+                group = self.store.groups[g]
+                self.master[g] = dev.empty(group.data.numel(), group.data.dtype, self.stream)
+                self.grad[g] = dev.empty(group.data.numel(), group.data.dtype, self.stream)
+                copies = tuple(dev.empty(group.compute.numel(), group.compute.dtype, self.stream) for _ in range(2))
+                self.copies[g] = (copies[0], copies[1])
+            if self._shadow is None:
+                self._room = dev.empty(resident_bytes(self.store) - self._own_bytes(), torch.uint8, self.stream)
+        with dev.on(self.stream):
+            for g in self.groups:
+                group = self.store.groups[g]
+                self.master[g].copy_(group.data)
+                self.grad[g].zero_()
+                self.reads(g, step).copy_(self.store.reads(g, step))  # what step ``step`` reads (staleness one)
+                self.reads(g, step + 1).copy_(self.master[g])  # the masters hold every update before ``step``
+            if self._shadow is not None:
+                self._states_from_host()
+        dev.host_wait(dev.record(self.stream))
+        self._seen = self._host_view()
+        return True
+
+    def host_changed(self) -> bool:
+        """Whether the host holds masters or states the device has not taken (always before the first batch)."""
+        return self._host_view() != self._seen
+
+    def to_host(self, step: int) -> None:
+        """After a flush: the masters, the optimizer's states and the copy step ``step`` reads, on the host."""
+        if not self._ahead or not self.master:
+            return  # nothing the device changed since it matched the host
+        if self.host_changed():
+            warnings.warn(
+                "roundpipe: the parameters or the optimizer's state changed on the host during training with"
+                " optimizer_on='device'; the device's values, updated since, replace them (edit them after a"
+                " checkpoint or validation, which bring the device's values to the host)",
+                stacklevel=outside_package(),
+            )
+        dev = self.device
+        with dev.on(self.stream):
+            for g in self.groups:
+                self.store.groups[g].data.copy_(self.master[g])
+                self.store.reads(g, step).copy_(self.reads(g, step))
+        if self._shadow is not None and self.optimizer is not None:
+            state = self.optimizer.state
+            for pairs in self._params.values():
+                for p, sp, _ in pairs:
+                    if sp in self._shadow.state:
+                        state[p] = {k: _to(v, torch.device("cpu")) for k, v in self._shadow.state[sp].items()}
+        dev.host_wait(dev.record(self.stream))
+        self._seen, self._ahead = self._host_view(), False
+
+    def _states_from_host(self) -> None:
+        assert self._shadow is not None and self.optimizer is not None
+        device, cpu = self.device.device, torch.device("cpu")
+        on_device = {  # torch keeps a step count on the device only for its fused and capturable kernels
+            id(sp): bool(group.get("fused") or group.get("capturable"))
+            for group in self._shadow.param_groups
+            for sp in group["params"]
+        }
+        self._shadow.state.clear()
+        for pairs in self._params.values():
+            for p, sp, _ in pairs:
+                saved = self.optimizer.state.get(p)
+                if saved:
+                    self._shadow.state[sp] = {
+                        k: _to(v, device if k != "step" or on_device[id(sp)] else cpu) for k, v in saved.items()
+                    }
+
+    def _host_view(self) -> tuple[Any, ...]:
+        """What the host holds, cheaply: the masters' version counters and the optimizer's state dict."""
+        return (tuple(self.store.groups[g].version() for g in self.groups), self._state_view())
+
+    def _state_view(self) -> tuple[int, int] | None:
+        return None if self.optimizer is None else (id(self.optimizer.state), len(self.optimizer.state))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """A state entry copied to ``device`` (never shared between host and device, even on the CPU stand-in)."""
+    if isinstance(value, Tensor):
+        return value.to(device, copy=True)
+    return copy.deepcopy(value) if not isinstance(value, (int, float)) or math.isfinite(value) else value

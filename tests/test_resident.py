@@ -1,0 +1,286 @@
+"""``optimizer_on="device"``: the training states and updates on the worker's device, in the asynchronous optimizer's
+exact order (staleness one), so the weights equal the host optimizer's; the host gets them back at every flush."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_async import batches, make_optimizer, mlp, run_async, staleness_one_reference
+
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice
+from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.schedule import StagePlan
+
+PLAN = StagePlan.parse("2,2,1|2,1,2,2")
+pytestmark = pytest.mark.filterwarnings("error:roundpipe.*changed on the host")  # only where a test edits
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("kwargs", "per_step"),
+    [
+        ({}, 1),
+        ({"microbatches_per_round": 3, "num_rounds": 2, "plan": PLAN}, 1),
+        ({"microbatches_per_round": 2}, 2),  # gradient accumulation over two batches
+        ({"microbatches_per_round": 2, "plan": "auto", "profile_steps": 1, "last_of_step": True}, 2),
+        ({"microbatches_per_round": 3, "num_rounds": 2, "plan": PLAN, "double_buffer": True}, 1),
+    ],
+)
+def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs, per_step):
+    model, data = mlp(), batches(5, per_step)
+    want = staleness_one_reference(model, data)
+    host, _ = run_async(copy.deepcopy(model), data, 1, **kwargs)
+    device, opt = run_async(copy.deepcopy(model), data, 1, optimizer_on="device", **kwargs)
+    assert torch.equal(device, host)  # the same kernels in the same order on the CPU stand-in
+    assert (device - want).norm() <= 1e-5 * want.norm()
+    assert all(set(s) >= {"exp_avg", "exp_avg_sq", "step"} for s in opt.state.values())  # back on the host
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("clip", "algorithm"), [(0.05, "norm"), (0.01, "value")])
+def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm):
+    model, data, lrs = mlp(), batches(4), [0.05, 0.02, 0.01, 0.005]
+    want = staleness_one_reference(model, data, clip, algorithm, lrs, kind="sgd")
+    got, opt = run_async(copy.deepcopy(model), data, 1, clip, algorithm, lrs, kind="sgd", optimizer_on="device")
+    assert (got - want).norm() <= 1e-5 * want.norm()
+    assert all("momentum_buffer" in s for s in opt.state.values())
+
+
+def _engine(model, **kwargs) -> PipelineEngine:
+    return PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on="device", **kwargs
+    )
+
+
+def _train(engine, opt, data, norm=False) -> None:
+    for (x, y), *_ in data:
+        engine.train_batch(x, y, F.mse_loss)
+        engine.submit_step(UpdateSpec.capture(opt, measure_norm=norm))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.timeout(60)
+def test_the_gradient_norm_is_measured_on_the_device():
+    model, data, norms = mlp(), batches(4), []
+    staleness_one_reference(model, data, norms=norms)
+    engine = _engine(model)
+    try:
+        _train(engine, make_optimizer(model.parameters()), data, norm=True)
+        engine.flush()
+        got = [n for _, n in engine.crew.optimizer.grad_norms]
+    finally:
+        engine.close()
+    assert got == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_resumes_exactly_and_the_masters_reach_the_module():
+    model, data = mlp(), batches(6)
+    whole = copy.deepcopy(model)
+    engine = _engine(whole)
+    try:
+        _train(engine, make_optimizer(whole.parameters()), data)
+    finally:
+        engine.close()  # the device's masters come back into the module
+    want = staleness_one_reference(model, data)
+    assert (_flat(whole) - want).norm() <= 1e-5 * want.norm()
+
+    first = copy.deepcopy(model)
+    opt = make_optimizer(first.parameters())
+    engine = _engine(first)
+    try:
+        _train(engine, opt, data[:3])
+        state = engine.state_dict()  # flushed: the host holds the masters, states and the next step's weights
+        saved = (copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict()), copy.deepcopy(state))
+        _train(engine, opt, data[3:])  # the run goes on after its checkpoint
+    finally:
+        engine.close()
+    assert torch.equal(_flat(first), _flat(whole))
+
+    resumed = mlp(seed=1)  # other weights, replaced by the checkpoint's
+    engine = _engine(resumed)
+    try:
+        resumed.load_state_dict(saved[0])
+        opt = make_optimizer(resumed.parameters())
+        opt.load_state_dict(saved[1])
+        engine.load_state_dict(saved[2])
+        _train(engine, opt, data[3:])
+    finally:
+        engine.close()
+    assert torch.equal(_flat(resumed), _flat(whole))
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_between_steps_sees_the_masters_and_leaves_training_as_it_was():
+    model, data = mlp(), batches(5)
+    x, y = batches(1, size=8)[0][0]
+    results = {}
+    for place in ("host", "device"):
+        trained = copy.deepcopy(model)
+        opt = make_optimizer(trained.parameters())
+        engine = PipelineEngine(list(trained.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+        losses = []
+        try:
+            for t, ((bx, by), *_) in enumerate(data):
+                engine.train_batch(bx, by, F.mse_loss)
+                engine.submit_step(UpdateSpec.capture(opt))
+                if t in (1, 3):
+                    engine.begin_evaluation()
+                    losses.append(float(engine.evaluate(x, y, F.mse_loss)))
+                    masters = copy.deepcopy(trained)
+                    engine.end_evaluation()
+                    losses.append(
+                        float(F.mse_loss(masters(x), y).detach())
+                    )  # what plain evaluation of the masters gives
+        finally:
+            engine.close()
+        results[place] = (losses, _flat(trained))
+    assert results["device"][0] == pytest.approx(results["host"][0], rel=1e-6)
+    assert results["device"][0][0::2] == pytest.approx(results["device"][0][1::2], rel=1e-6)
+    assert torch.equal(results["device"][1], results["host"][1])
+
+
+@pytest.mark.timeout(60)
+def test_an_edit_on_the_host_during_training_is_replaced_by_the_devices_values_with_a_warning():
+    model, data = mlp(), batches(4)
+    opt = make_optimizer(model.parameters())
+    engine = _engine(model)
+    try:
+        _train(engine, opt, data[:2])
+        with torch.no_grad():
+            next(model.parameters()).zero_()
+        with pytest.warns(UserWarning, match="changed on the host during training"):
+            _train(engine, opt, data[2:])
+        engine.flush()
+        assert next(model.parameters()).abs().sum() > 0
+    finally:
+        engine.close()
+
+
+def test_the_device_optimizer_is_refused_where_it_cannot_run():
+    """Before any thread starts (none is left behind)."""
+    model = mlp()
+    devices = [WorkerDevice("cpu", i) for i in range(2)]
+    with pytest.raises(ValueError, match="one worker device"):
+        PipelineEngine(list(model.children()), devices, asynchronous=True, optimizer_on="device")
+    with pytest.raises(ValueError, match="one worker device"):
+        PipelineEngine(list(mlp().children()), devices[:1], optimizer_on="device")
+    with pytest.raises(ValueError, match="not one of"):
+        PipelineEngine(list(mlp().children()), devices[:1], asynchronous=True, optimizer_on="gpu")
+    with pytest.raises(ValueError, match="too much of"):
+        PipelineEngine(
+            list(mlp().children()), devices[:1], asynchronous=True, optimizer_on="device", memory_limit=1000.0
+        )
+    assert not [t for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+@pytest.mark.timeout(60)
+def test_the_device_takes_the_hosts_values_only_when_the_host_changed_them(monkeypatch):
+    from lightning_roundpipe.runtime.resident import ResidentStates
+
+    taken, from_host = [], ResidentStates.from_host
+    monkeypatch.setattr(ResidentStates, "from_host", lambda self, step: taken.append(step) or from_host(self, step))
+    model, data = mlp(), batches(6)
+    opt = make_optimizer(model.parameters())
+    engine = _engine(model)
+    try:
+        _train(engine, opt, data[:3])
+        engine.state_dict()  # a checkpoint's flush: the host gets the device's values, nothing changes there
+        _train(engine, opt, data[3:5])
+        engine.flush()  # the host's view is the device's again, and then is loaded anew (a new state dict):
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        _train(engine, opt, data[5:])
+    finally:
+        engine.close()
+    assert taken == [0, 5]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [{}, {"gradient_clip_val": 0.05}, {"accumulate_grad_batches": 2}])
+def test_through_lightning_the_weights_equal_the_host_optimizers(extra):
+    from helpers import BoringPipeline, fit, flat_weights
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    def factory():
+        return BoringPipeline(scheduler=True)
+
+    def trained(place: str):
+        strategy = RoundPipeStrategy(num_microbatches=3, optimizer_on=place)
+        return flat_weights(fit(factory, {"accelerator": "cpu", "devices": 1, "strategy": strategy, **extra}))
+
+    host, device = trained("host"), trained("device")
+    assert (device - host).norm() <= 1e-6 * host.norm()
+
+
+@pytest.mark.timeout(180)
+def test_through_lightning_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    import lightning as L
+    from helpers import BoringPipeline, boring_data, flat_weights
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    def run(epochs: int, where: str, ckpt: str | None = None):
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline(scheduler=True)
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", optimizer_on="device"),
+            accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path / where, filename="{epoch}", save_top_k=-1)],
+        )  # fmt: skip
+        trainer.fit(module, boring_data(), ckpt_path=ckpt)
+        return flat_weights(module)
+
+    straight = run(2, "straight")
+    run(1, "first")
+    checkpoint = tmp_path / "first" / "epoch=0.ckpt"
+    assert "compute" in torch.load(checkpoint, weights_only=False)["roundpipe"]  # an update pending at the save
+    resumed = run(2, "resumed", str(checkpoint))
+    assert (resumed - straight).norm() <= 1e-6 * straight.norm()
+
+
+def test_the_strategy_refuses_the_device_optimizer_without_the_asynchronous_one():
+    from lightning_roundpipe import RoundPipeStrategy
+
+    with pytest.raises(ValueError, match="async_optimizer=True"):
+        RoundPipeStrategy(async_optimizer=False, optimizer_on="device")
+    with pytest.raises(ValueError, match="'host' or 'device'"):
+        RoundPipeStrategy(optimizer_on="gpu")
+
+
+@pytest.mark.timeout(60)
+def test_loss_scaling_is_refused_in_the_main_thread():
+    model = mlp()
+    opt = make_optimizer(model.parameters())
+    engine = _engine(model)
+    try:
+        (x, y), *_ = batches(1)[0]
+        engine.train_batch(x, y, F.mse_loss)
+        spec = UpdateSpec.capture(opt, scaler=torch.amp.GradScaler("cpu"), loss_scale=2.0**16)
+        with pytest.raises(ValueError, match="16-mixed"):
+            engine.submit_step(spec)
+        engine.submit_step(UpdateSpec.capture(opt))  # nothing was handed over: the step goes on unscaled
+        engine.flush()
+    finally:
+        engine.close()
+
+
+def test_the_plan_is_made_under_the_limit_less_the_states_and_the_cache_is_judged_by_the_whole_limit():
+    from lightning_roundpipe.runtime.resident import resident_bytes
+
+    engine = _engine(mlp(), memory_limit=1e9)
+    try:
+        need = resident_bytes(engine.store)
+        assert need == sum(p.numel() for p in engine.store.parameters) * (4 + 4 + 2 * 4 + 8)  # fp32 CPU copies
+        assert (engine.planner.memory_limit, engine.caches.ceiling) == (1e9 - need, 1e9)
+    finally:
+        engine.close()
