@@ -284,3 +284,72 @@ def test_the_plan_is_made_under_the_limit_less_the_states_and_the_cache_is_judge
         assert (engine.planner.memory_limit, engine.caches.ceiling) == (1e9 - need, 1e9)
     finally:
         engine.close()
+
+
+def _interacted(place: str, scenario: str) -> torch.Tensor:
+    """Five steps of two batches, with what a user or Lightning may do in the middle of them."""
+    model, data = mlp(), batches(5, 2)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params[:4] if scenario == "a group added" else params, lr=0.05, weight_decay=0.1)
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place, microbatches_per_round=2
+    )
+    try:
+        for t, step_batches in enumerate(data):
+            for i, (x, y) in enumerate(step_batches):
+                engine.train_batch(x, y, F.mse_loss, grad_scale=0.5)
+                if (t, i) == (2, 0) and scenario == "a flush and an edit in the middle of a step":
+                    engine.state_dict()  # a checkpoint (or validation) between a step's batches, then
+                    with torch.no_grad():  # an in-place write of the same values (an EMA swapped back, say)
+                        params[0].copy_(params[0].clone())
+            if t == 2 and scenario == "a group added":
+                opt.add_param_group({"params": params[4:], "lr": 0.02})
+            engine.submit_step(UpdateSpec.capture(opt))
+            if t == 2 and scenario.startswith("the states edited"):
+                engine.flush()  # the host holds the device's states, then the user changes them
+                for entry in opt.state.values():
+                    if scenario.endswith("in place"):
+                        entry["exp_avg_sq"].mul_(100.0)
+                    else:
+                        entry["exp_avg_sq"] = entry["exp_avg_sq"] * 100.0
+        engine.flush()
+    finally:
+        engine.close()
+    return _flat(model)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "a flush and an edit in the middle of a step",
+        "a group added",
+        "the states edited in place",
+        "the states edited by replacement",
+    ],
+)
+def test_what_the_host_does_between_batches_counts_as_with_the_host_optimizer(scenario):
+    assert torch.equal(_interacted("device", scenario), _interacted("host", scenario))
+
+
+@pytest.mark.timeout(60)
+def test_after_a_failure_the_module_holds_the_updates_the_device_made():
+    def failing(place: str) -> tuple[torch.Tensor, int]:
+        model, data = mlp(), batches(6)
+        opt = make_optimizer(model.parameters())
+        engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+
+        def loss(a, b):
+            raise RuntimeError("the user's loss failed")
+
+        try:
+            with pytest.raises(RuntimeError, match="the user's loss failed"):
+                for t, ((x, y), *_) in enumerate(data):
+                    engine.train_batch(x, y, loss if t == 4 else F.mse_loss)
+                    engine.submit_step(UpdateSpec.capture(opt))
+        finally:
+            engine.close()
+        return _flat(model), len(opt.state)
+
+    host, device = failing("host"), failing("device")
+    assert torch.equal(device[0], host[0]) and device[1] == host[1] > 0

@@ -125,9 +125,8 @@ class PipelineEngine:
         )
         self.crew.when_aborted(self.steps.open_gates)
         self.recovery = Recovery(self.planner, self.steps, self.store, self.crew)
-        self.launcher = Launcher(
-            self.store, self.pool, self.crew, self.steps, self.planner, overlap, self.recovery.guards, self._give_back
-        )
+        guards, give_back = self.recovery.guards, self.recovery.give_back
+        self.launcher = Launcher(self.store, self.pool, self.crew, self.steps, self.planner, overlap, guards, give_back)
         self.evaluator = Evaluator(self.store, self.pool, self.crew, self.steps, self.planner, overlap)
         self.stats = StepStats(self.num_workers)
         self.caches = CacheWatch(self.devices, self.planner, self.store, ceiling=memory_limit)  # states included
@@ -240,13 +239,6 @@ class PipelineEngine:
         self.set_plan(plan)
         return self._launch(batch, call, first_worker, skip)
 
-    def _give_back(self, flight: Flight) -> None:
-        """A flight built but never dispatched: its gates in the gradient chain would never open."""
-        if not self.asynchronous:
-            self.recovery.drop(flight)
-        else:
-            self.crew.failed = True
-
     def _harvest(self, wait: bool = False) -> None:
         """Use the timings of recorded batches whose work is done (``wait``: wait for them)."""
         pending = []
@@ -283,11 +275,11 @@ class PipelineEngine:
         self.crew.drain()
         if self.crew.optimizer is not None:
             self.crew.optimizer.wait_math()
-        if self.resident is not None:
-            self.resident.to_host(self.steps.step)
         self.crew.prune()
         if self.crew.error is not None:
             self.crew.fail()
+        if self.resident is not None:
+            self.resident.to_host(self.steps.step)
         self._harvest(wait=True)
 
     def begin_evaluation(self) -> None:
@@ -342,6 +334,8 @@ class PipelineEngine:
                 self.crew.optimizer.wait_all(timeout=60.0)
         finally:
             stuck = self.crew.close()
+            if self.resident is not None and not stuck:  # after a failure too: the device's values to the module
+                self.resident.rescue(self.steps.step)
             if stuck:
                 warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
             else:

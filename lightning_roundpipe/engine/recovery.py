@@ -65,6 +65,13 @@ class Recovery:
         self._largest = 0.0  # input elements of the largest micro-batch that ran on the current plan
         self._plan_since = -1
 
+    def give_back(self, flight: Flight) -> None:
+        """A flight built but never dispatched: its gates in the gradient chain would never open."""
+        if not self.asynchronous:
+            self.drop(flight)
+        else:
+            self.crew.failed = True
+
     def drop(self, flight: Flight) -> None:
         """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
         and host buffers, and be ready again (workers never write the host weights: they are intact)."""

@@ -36,7 +36,9 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
         "offset_checked": planner.offset_checked,
         "profiling": planner.measuring,
         "microbatches_per_round": count,
-        "memory_limit": limit,  # lowered where a batch ran out of device memory, or a smaller plan paid
+        # lowered where a batch ran out of device memory, or a smaller plan paid; the device's optimizer states not
+        # taken off (a run resumed with them on the host plans under the whole of it)
+        "memory_limit": limit if limit is None or engine.resident is None else limit + engine.resident.need,
         "fitted": None if planner.fitted is None else planner.fitted.state(),  # what it plans again from
         "measured": [planner.batch_samples, *planner.measured_sizes()],  # costs are per element
         "transfers": [planner.transfers.boundary_per_element, planner.transfers.upload_rate],
@@ -86,6 +88,8 @@ def load_engine_state(engine: PipelineEngine, state: dict[str, Any]) -> None:
                 planner.reference, planner.drifted = list(reference), int(state.get("drifted", 0))
         planner.offset_checked = bool(state.get("offset_checked", False))
         saved = state.get("memory_limit")
+        if saved is not None and engine.resident is not None:
+            saved -= engine.resident.need  # what the plan may use beside the states
         if saved is not None and (planner.memory_limit is None or saved < planner.memory_limit):
             planner.memory_limit = float(saved)  # what the run learnt from running out of device memory
     compute = state.get("compute")

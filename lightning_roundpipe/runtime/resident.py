@@ -40,11 +40,14 @@ from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
 
 OPTIMIZER_PLACES = ("host", "device")
+STATE_BYTES = 8
+"""The optimizer's state bytes a parameter planned for: AdamW's two fp32 moments (amsgrad's third, or a kernel's
+temporaries, come on top)."""
 
 
-def resident_bytes(store: HostStore, state_bytes_per_parameter: int = 8) -> int:
+def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTES) -> int:
     """Device bytes the resident states take: masters, gradients, two compute copies, and the optimizer's states
-    (estimated: AdamW's two fp32 moments, 8 bytes a parameter; they exist from the first update on)."""
+    (planned at :data:`STATE_BYTES` a parameter; they exist from the first update on)."""
     total = 0
     for group in store.groups:
         if group.trainable:
@@ -69,14 +72,16 @@ class ResidentStates:
         self._params: dict[int, list[tuple[nn.Parameter, nn.Parameter, Tensor]]] = {}
         self._seen: tuple[Any, ...] | None = None  # what the host held when the device last matched it
         self._ahead = False  # updates the host has not seen
-        self._room: Tensor | None = None
-        """Until the first update: the bytes its optimizer states will take, held on the optimizer's stream so
-        that they come from this block (freed to that stream's cache just before) and no layer measured
-        meanwhile counts them in its memory peak."""
+        self._room: dict[int, Tensor] = {}
+        """Per group, until its first update: the bytes its optimizer states will take, held on the optimizer's
+        stream, so that they come from this block (freed to that stream's cache just before the group's first
+        step) and a layer measured meanwhile does not count them in its memory peak."""
+        self._key: tuple[Any, ...] | None = None  # the optimizer and its parameter groups the shadow mirrors
+        self.need = resident_bytes(store)
 
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
-        need = resident_bytes(self.store)
+        need = self.need
         if memory_limit is not None and need >= 0.8 * memory_limit:
             raise ValueError(
                 f"optimizer_on='device' keeps {need / 2**30:.1f} GiB of training states on the device, too much of"
@@ -105,7 +110,6 @@ class ResidentStates:
         Returns the seconds the device work took as the host waited for it, and the gradients' global 2-norm
         before clipping where asked (else ``None``)."""
         spec = job.spec
-        self._room = None  # the states are allocated from here on (on this stream, where the block went back)
         with self.device.on(self.stream):
             self._use(spec.optimizer)
         assert self._shadow is not None
@@ -131,6 +135,7 @@ class ResidentStates:
                     self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
                 elif coefficient < 1.0:
                     self.grad[g].mul_(coefficient)
+                self._room.pop(g, None)  # its states come from this block, back in this stream's cache
                 self._step_group(g)
                 self.copies[g][job.step % 2].copy_(self.master[g])  # what step k + 2 reads (edges 1 and 2)
             dev.host_wait(dev.record(self.stream))
@@ -143,9 +148,6 @@ class ResidentStates:
         self._ahead = True
         return working, total
 
-    def _own_bytes(self) -> int:
-        return sum(t.nbytes for g in self.groups for t in (self.master[g], self.grad[g], *self.copies[g]))
-
     def _step_group(self, g: int) -> None:
         assert self._shadow is not None
         pairs = self._params[g]
@@ -156,11 +158,15 @@ class ResidentStates:
             sp.grad = None
 
     def _use(self, optimizer: torch.optim.Optimizer) -> None:
-        """The shadow of ``optimizer`` over the device masters (rebuilt, states taken from the host, when the
-        user's optimizer or its state dict changed)."""
-        if self.optimizer is optimizer and self._shadow is not None:
+        """The shadow of ``optimizer`` over the device masters: built at the first update (its states taken from
+        the host), again with the device's states when parameter groups were added, and from the host's states
+        when the optimizer itself is another one."""
+        key = (id(optimizer), tuple(tuple(map(id, group["params"])) for group in optimizer.param_groups))
+        if key == self._key:
             return
-        self.optimizer = optimizer
+        carried: dict[int, dict[str, Any]] = {}
+        if self._shadow is not None and self.optimizer is optimizer:
+            carried = {id(p): self._shadow.state[sp] for p, sp, _ in self._pairs() if sp in self._shadow.state}
         shadow = copy.copy(optimizer)
         shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper, bound to the real optimizer
         of: dict[int, nn.Parameter] = {}
@@ -178,10 +184,20 @@ class ResidentStates:
             {**group, "params": [of[id(p)] for p in group["params"] if id(p) in of]} for group in optimizer.param_groups
         ]
         shadow.state = collections.defaultdict(dict)  # type: ignore[assignment]
-        self._shadow = shadow
+        self._shadow, self._key = shadow, key
+        if self.optimizer is optimizer:
+            for p, sp, _ in self._pairs():
+                if id(p) in carried:
+                    shadow.state[sp] = carried[id(p)]
+            return
+        seen, self.optimizer = self._seen, optimizer
         self._states_from_host()
-        if self._seen is not None:  # the states just taken are what the host holds
-            self._seen = (self._seen[0], self._state_view())
+        if seen is not None:  # the states just taken are what the host holds
+            self._seen = (seen[0], self._state_view())
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter, Tensor]]:
+        """(parameter, its shadow on the device, its device gradient) of every trainable parameter."""
+        return [pair for pairs in self._params.values() for pair in pairs]
 
     # ------------------------------------------------------------------ the host's view
     def from_host(self, step: int) -> bool:
@@ -199,13 +215,14 @@ class ResidentStates:
                 self.grad[g] = dev.empty(group.data.numel(), group.data.dtype, self.stream)
                 copies = tuple(dev.empty(group.compute.numel(), group.compute.dtype, self.stream) for _ in range(2))
                 self.copies[g] = (copies[0], copies[1])
-            if self._shadow is None:
-                self._room = dev.empty(resident_bytes(self.store) - self._own_bytes(), torch.uint8, self.stream)
+                with dev.on(self.stream):
+                    self.grad[g].zero_()  # (later, a step's first write overwrites: a flush mid-step keeps its sum)
+                if self._shadow is None:
+                    self._room[g] = dev.empty(STATE_BYTES * group.data.numel(), torch.uint8, self.stream)
         with dev.on(self.stream):
             for g in self.groups:
                 group = self.store.groups[g]
                 self.master[g].copy_(group.data)
-                self.grad[g].zero_()
                 self.reads(g, step).copy_(self.store.reads(g, step))  # what step ``step`` reads (staleness one)
                 self.reads(g, step + 1).copy_(self.master[g])  # the masters hold every update before ``step``
             if self._shadow is not None:
@@ -236,10 +253,9 @@ class ResidentStates:
                 self.store.reads(g, step).copy_(self.reads(g, step))
         if self._shadow is not None and self.optimizer is not None:
             state = self.optimizer.state
-            for pairs in self._params.values():
-                for p, sp, _ in pairs:
-                    if sp in self._shadow.state:
-                        state[p] = {k: _to(v, torch.device("cpu")) for k, v in self._shadow.state[sp].items()}
+            for p, sp, _ in self._pairs():
+                if sp in self._shadow.state:
+                    state[p] = {k: _to(v, torch.device("cpu")) for k, v in self._shadow.state[sp].items()}
         dev.host_wait(dev.record(self.stream))
         self._seen, self._ahead = self._host_view(), False
 
@@ -252,20 +268,40 @@ class ResidentStates:
             for sp in group["params"]
         }
         self._shadow.state.clear()
-        for pairs in self._params.values():
-            for p, sp, _ in pairs:
-                saved = self.optimizer.state.get(p)
-                if saved:
-                    self._shadow.state[sp] = {
-                        k: _to(v, device if k != "step" or on_device[id(sp)] else cpu) for k, v in saved.items()
-                    }
+        for p, sp, _ in self._pairs():
+            saved = self.optimizer.state.get(p)
+            if saved:
+                self._shadow.state[sp] = {
+                    k: _to(v, device if k != "step" or on_device[id(sp)] else cpu) for k, v in saved.items()
+                }
 
     def _host_view(self) -> tuple[Any, ...]:
         """What the host holds, cheaply: the masters' version counters and the optimizer's state dict."""
         return (tuple(self.store.groups[g].version() for g in self.groups), self._state_view())
 
-    def _state_view(self) -> tuple[int, int] | None:
-        return None if self.optimizer is None else (id(self.optimizer.state), len(self.optimizer.state))
+    def _state_view(self) -> tuple[int, int, int] | None:
+        """The state dict, its entries and their tensors' version counters (an in-place edit moves one)."""
+        if self.optimizer is None:
+            return None
+        marks = 0
+        for entry in self.optimizer.state.values():
+            marks += id(entry)
+            for value in entry.values() if isinstance(entry, dict) else ():
+                if isinstance(value, Tensor):
+                    marks += id(value) + value._version
+        return (id(self.optimizer.state), len(self.optimizer.state), marks)
+
+    def rescue(self, step: int) -> None:
+        """At the close after a failure, once no thread runs: the device's values to the host if it still
+        answers (the host path's masters hold every update applied so far; so do these then), else a warning."""
+        try:
+            self.to_host(step)
+        except Exception as e:  # a device that failed for good: say what the module holds
+            warnings.warn(
+                f"roundpipe: after the failure the device's weights and optimizer states could not be brought back"
+                f" to the host ({e!r}); the module holds those of the last checkpoint, validation or flush",
+                stacklevel=outside_package(),
+            )
 
 
 def _to(value: Any, device: torch.device) -> Any:
