@@ -247,9 +247,11 @@ for step in "${steps[@]}"; do
       # 35-45k real tokens/s (SGD's 0.5 s host step gave 30,074; the devices' own step about 0.32 s), its losses equal
       # to the defaults' to bf16 rounding (the same order), NVML about 34 GB above the defaults' 49.5; the defaults
       # 23-25k. About 330-420 s
-      run varlen-8-devopt 470 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+      # (a call's first configuration builds Inductor's and Triton's caches: 130-150 s were too short twice on
+      # 2026-12-04, so 170 s each, and this step alone in its call)
+      run varlen-8-devopt 540 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer-devopt,newcomer,plain-compile --warmup 10 --steps 8 --host-trace \
-        --config-timeout 150 --out "$OUT/varlen-8-devopt.json" ;;
+        --config-timeout 170 --out "$OUT/varlen-8-devopt.json" ;;
     fixed-devopt)  # the same on fixed 32 x 2048, full card (49.3-49.5k with the defaults): expected not slower,
       # the plan under 0.8 of the card less the 32 GiB of states. About 300 s
       run fixed-devopt 340 python benchmarks/lightning_user.py --configs newcomer-devopt,newcomer --warmup 8 \

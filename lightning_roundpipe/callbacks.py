@@ -60,6 +60,8 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
       memory (docs/reliability.md)
     - ``roundpipe/memory_limit_gib``: what the plan's stages are sized for on a GPU (``gpu_memory``, lowered
       after running out of memory, or while a smaller plan is tried because the allocator kept freeing)
+    - ``roundpipe/cache_releases``: batches after which a GPU's caching allocator held more than ``gpu_memory``
+      of the card and gave its cache back (lengths that vary leave blocks no later batch asks for)
     - ``roundpipe/drift``: at the engine's last drift check, how far stage times moved from those the
       automatic plan first measured (relative to its slowest stage); past ``replan_margin`` twice in
       a row the layers are measured again
@@ -212,6 +214,7 @@ class RoundPipeMonitor(_Callback):  # type: ignore[misc,valid-type]
             metrics["roundpipe/drift"] = engine.planner.drift
         if engine.planner.memory_limit is not None:
             metrics["roundpipe/memory_limit_gib"] = engine.planner.memory_limit / 2**30
+        metrics["roundpipe/cache_releases"] = float(engine.caches.releases)
         now, moved = time.perf_counter(), engine.crew.transferred_bytes()
         if self._last_bytes is not None and now > self._last_time:
             metrics["roundpipe/h2d_gbps"] = (moved[0] - self._last_bytes[0]) / (now - self._last_time) / 1e9

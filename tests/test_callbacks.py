@@ -43,9 +43,11 @@ def test_monitor_logs_and_writes_files(tmp_path, monkeypatch):
         "roundpipe/wait_inputs_s",  # the workers' blocked seconds per batch, by reason
         "roundpipe/wait_launch_s",
         "roundpipe/memory_limit_gib",
+        "roundpipe/cache_releases",
     ):
         assert key in keys, key  # fmt: skip
     assert {float(r["roundpipe/memory_limit_gib"]) for r in rows if r.get("roundpipe/memory_limit_gib")} == {3.0}
+    assert {float(r["roundpipe/cache_releases"]) for r in rows if r.get("roundpipe/cache_releases")} == {0.0}  # CPU
     measured = [float(r["roundpipe/bubble_measured"]) for r in rows if r.get("roundpipe/bubble_measured")]
     assert measured and all(0 <= b < 1 for b in measured)
     split = [r for r in rows if r.get("roundpipe/bubble_in_step") and r.get("roundpipe/host_gap")]
