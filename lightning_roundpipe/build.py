@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
@@ -56,7 +57,10 @@ def build_engine(
                 leaner["RoundPipeStrategy(async_optimizer=False)"] = synchronous
         check_host_memory(estimate, leaner=leaner)
     workers = worker_devices(devices)
-    return PipelineEngine(
+    place = options.optimizer_on if asynchronous else "host"
+    if place == "auto" and (num_nodes > 1 or autocast_dtype == torch.float16):
+        place = "host"  # the nodes' exchange and 16-mixed's loss scaling run on the host optimizer
+    engine = PipelineEngine(
         layers,
         workers,
         plan=options.plan,
@@ -72,5 +76,9 @@ def build_engine(
         replan_margin=options.replan_margin,
         memory_limit=device_memory_limit(devices, float(options.gpu_memory)),
         double_buffer=options.double_buffer if asynchronous else "none",
-        optimizer_on=options.optimizer_on if asynchronous else "host",
+        optimizer_on=place,
     )
+    if options.optimizer_on == "auto" and asynchronous:
+        where = "on the GPU" if engine.resident is not None else "in host memory"
+        rank_zero_info(f"roundpipe: the optimizer's states {where} (optimizer_on='auto')")
+    return engine

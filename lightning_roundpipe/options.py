@@ -78,7 +78,9 @@ class RoundPipeOptions:
     two compute copies and optimizer states (about 20 bytes a trainable parameter with AdamW) fit beside the plan,
     within ``gpu_memory``. The same updates in the same order (staleness one); the host's masters and states are
     brought up to date at every checkpoint, validation and the end of training. One GPU, one node, not
-    ``16-mixed``; an experiment until measured (docs/perf-notes.md)."""
+    ``16-mixed``; an experiment until measured (docs/perf-notes.md). ``"auto"``: the device where the states take
+    at most half of ``gpu_memory`` on one GPU (not with ``16-mixed`` or several nodes), else the host; a log line
+    says which."""
     double_buffer: bool | str = False
     """With ``async_optimizer``, a second host compute copy of trainable weights, so each update is cast
     into the copy the step after next reads as soon as it is computed. Without it the next step's first
@@ -174,8 +176,10 @@ class RoundPipeOptions:
                 f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
                 " weight casts; it needs async_optimizer=True"
             )
-        if self.optimizer_on not in ("host", "device"):
-            raise ValueError(f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) must be 'host' or 'device'")
+        if self.optimizer_on not in ("host", "device", "auto"):
+            raise ValueError(
+                f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) must be 'host', 'device' or 'auto'"
+            )
         if self.optimizer_on == "device" and not self.async_optimizer:
             raise ValueError("RoundPipeStrategy(optimizer_on='device') is the asynchronous optimizer's: it needs"
                              " async_optimizer=True")  # fmt: skip

@@ -368,3 +368,5 @@ def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(b
     assert len(real) == 1 and real.pop() < 8 * 40 * 2  # the same real tokens, fewer than the padded ones
     losses = {r["config"]: r["losses"] for r in results}  # the device optimizer keeps the engine's order: on the
     assert losses["newcomer-devopt"] == losses["newcomer"] and len(losses["newcomer"]) == 4  # CPU the same math
+    assert {r["config"]: r["optimizer_states"] for r in results if r["config"].startswith("newcomer")} == {
+        "newcomer": "host", "newcomer-devopt": "device"}  # fmt: skip

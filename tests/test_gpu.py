@@ -247,6 +247,15 @@ def test_the_optimizer_on_the_gpu_equals_staleness_one_reference():
     async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on="device")
 
 
+@pytest.mark.timeout(120)
+def test_auto_keeps_a_small_models_states_on_the_gpu(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        fit(BoringPipeline, {"accelerator": "gpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on="auto")})
+    assert "roundpipe: the optimizer's states on the GPU (optimizer_on='auto')" in caplog.text
+
+
 @pytest.mark.timeout(180)
 def test_the_optimizer_on_the_gpu_through_lightning_matches_the_host_optimizer_on_the_cpu():
     strategy = RoundPipeStrategy(num_microbatches=3, optimizer_on="device", plan="3,2|4,2,3")

@@ -253,7 +253,7 @@ def test_the_strategy_refuses_the_device_optimizer_without_the_asynchronous_one(
 
     with pytest.raises(ValueError, match="async_optimizer=True"):
         RoundPipeStrategy(async_optimizer=False, optimizer_on="device")
-    with pytest.raises(ValueError, match="'host' or 'device'"):
+    with pytest.raises(ValueError, match="'host', 'device' or 'auto'"):
         RoundPipeStrategy(optimizer_on="gpu")
 
 
@@ -353,3 +353,45 @@ def test_after_a_failure_the_module_holds_the_updates_the_device_made():
 
     host, device = failing("host"), failing("device")
     assert torch.equal(device[0], host[0]) and device[1] == host[1] > 0
+
+
+@pytest.mark.parametrize(
+    ("workers", "limit", "layerwise", "on_device"),
+    [
+        (1, 1e9, True, True),  # a GPU with room: the device
+        (1, None, True, False),  # CPU workers (no limit): the host
+        (2, 1e9, True, False),  # several workers: the host
+        (1, 1e9, False, False),  # the blocking (barrier) variant: the host
+        (1, "tight", True, False),  # states over half the limit: the host
+    ],
+)
+def test_auto_puts_the_states_on_the_device_only_where_they_fit_on_one(workers, limit, layerwise, on_device):
+    from lightning_roundpipe.runtime.resident import resident_bytes
+
+    model = mlp()
+    probe = PipelineEngine(list(copy.deepcopy(model).children()), [WorkerDevice("cpu")], asynchronous=True)
+    need = resident_bytes(probe.store)
+    probe.close()
+    limit = 1.9 * need if limit == "tight" else limit
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(workers)], asynchronous=True,
+        optimizer_on="auto", memory_limit=limit, consistency="layerwise" if layerwise else "barrier",
+    )  # fmt: skip
+    try:
+        assert (engine.resident is not None) == on_device
+        assert engine.planner.memory_limit == (limit - need if on_device else limit)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_auto_through_lightning_says_where_the_states_are(caplog):
+    import logging
+
+    from helpers import BoringPipeline, fit
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    with caplog.at_level(logging.INFO):
+        fit(BoringPipeline, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on="auto")})
+    assert "roundpipe: the optimizer's states in host memory (optimizer_on='auto')" in caplog.text  # CPU workers

@@ -71,8 +71,8 @@ class PipelineEngine:
             previous update on the calling thread (paper section 4.3.2's blocking baseline; same numerics).
         double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
-        optimizer_on: ``"host"``, or ``"device"``: the trainable groups' states and updates on the one worker
-            device (:mod:`~lightning_roundpipe.runtime.resident`), within ``memory_limit``.
+        optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device,
+            within ``memory_limit``: :mod:`~lightning_roundpipe.runtime.resident`) or ``"auto"`` (there where they fit).
     """
 
     def __init__(
@@ -108,7 +108,8 @@ class PipelineEngine:
             self.pool, profile_steps, replan_margin, check_every, planner, memory_limit,
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
-        self.resident = ResidentStates(self.store, self.devices[0]) if optimizer_on == "device" else None
+        layerwise = asynchronous and consistency == "layerwise"
+        self.resident = ResidentStates.place(optimizer_on, self.store, self.devices, layerwise, memory_limit)
         if self.resident is not None:  # the states on the device, the plan's stages under what is left
             self.planner.memory_limit = self.resident.plan_limit(memory_limit)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed

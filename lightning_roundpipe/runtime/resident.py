@@ -39,7 +39,9 @@ from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
 
-OPTIMIZER_PLACES = ("host", "device")
+OPTIMIZER_PLACES = ("host", "device", "auto")
+AUTO_SHARE = 0.5
+"""``optimizer_on="auto"`` keeps the states on the device when they take at most this share of what it may use."""
 STATE_BYTES = 8
 """The optimizer's state bytes a parameter planned for: AdamW's two fp32 moments (amsgrad's third, or a kernel's
 temporaries, come on top)."""
@@ -78,6 +80,22 @@ class ResidentStates:
         step) and a layer measured meanwhile does not count them in its memory peak."""
         self._key: tuple[Any, ...] | None = None  # the optimizer and its parameter groups the shadow mirrors
         self.need = resident_bytes(store)
+
+    @classmethod
+    def place(
+        cls, optimizer_on: str, store: HostStore, devices: Any, layerwise_async: bool, memory_limit: float | None
+    ) -> ResidentStates | None:
+        """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
+        device with one worker device, the asynchronous layerwise optimizer, a memory limit (a GPU), and states
+        within :data:`AUTO_SHARE` of that limit."""
+        if optimizer_on == "host":
+            return None
+        if optimizer_on == "auto" and not (
+            len(devices) == 1 and layerwise_async and memory_limit is not None
+            and resident_bytes(store) <= AUTO_SHARE * memory_limit
+        ):  # fmt: skip
+            return None
+        return cls(store, devices[0])
 
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
