@@ -395,3 +395,34 @@ def test_auto_through_lightning_says_where_the_states_are(caplog):
     with caplog.at_level(logging.INFO):
         fit(BoringPipeline, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on="auto")})
     assert "roundpipe: the optimizer's states in host memory (optimizer_on='auto')" in caplog.text  # CPU workers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_the_upload_rate_is_timed_on_what_really_goes_up(monkeypatch, place):
+    """The planner charges stage boundaries by the upload rate it timed on the first slot's weights: with the states
+    on the device those do not go up, so the rate comes from the copies the device takes from the host instead."""
+    from lightning_roundpipe.runtime.profile import TransferRate
+
+    seen, measure = [], TransferRate.measure
+    monkeypatch.setattr(
+        TransferRate, "measure", lambda self, flight: seen.append(flight.first_upload_bytes) or measure(self, flight)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 8))  # 16.9 MB
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place, plan="auto",
+        profile_steps=1, microbatches_per_round=1,
+    )  # fmt: skip
+    opt = make_optimizer(model.parameters())
+    try:
+        for _ in range(3):
+            engine.train_batch(torch.randn(4, 1024), torch.randn(4, 8), F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+        rate = engine.planner.transfers.upload_rate
+    finally:
+        engine.close()
+    first_layer = 1024 * 4096 * 4 + 4096 * 4  # the first slot of the measuring plan: one layer, 16.8 MB
+    assert seen and set(seen) == ({first_layer} if place == "host" else {0})  # the device's: nothing went up
+    assert rate > 0  # from that upload, or from the device's copies as it took them from the host

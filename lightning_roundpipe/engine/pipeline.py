@@ -109,7 +109,9 @@ class PipelineEngine:
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
         layerwise = asynchronous and consistency == "layerwise"
-        self.resident = ResidentStates.place(optimizer_on, self.store, self.devices, layerwise, memory_limit)
+        self.resident = ResidentStates.place(
+            optimizer_on, self.store, self.devices, layerwise, memory_limit, self.planner.transfers
+        )
         if self.resident is not None:  # the states on the device, the plan's stages under what is left
             self.planner.memory_limit = self.resident.plan_limit(memory_limit)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed

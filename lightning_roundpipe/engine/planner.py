@@ -174,7 +174,7 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
     def use(self, flight: Flight, store: HostStore) -> StagePlan | None:
         """Learn from a recorded batch whose work is done; returns the plan to switch to, if any."""
         self._boundary_bytes = flight.boundary_bytes or self._boundary_bytes
-        self.transfers.measure(flight, store)
+        self.transfers.measure(flight)
         if self.profile is not None and flight.schedule.plan == LayerProfile.plan(self.num_layers):
             if compile_mark() != flight.compile_mark and self._compiled_batches < max(2, self.profile_steps):
                 self._compiled_batches += 1  # its times hold a compile (a first, or a first dynamic size)

@@ -106,8 +106,8 @@ class Flight:
         self.compile_mark = compile_mark()  # torch.compile's, before it: moved after, it waited for a compile
         self.references: dict[int, tuple[Any, float]] = {}
         """Per worker, a timer point and the host clock when its job started (for timelines)."""
-        self.cast_wait = 0.0
-        """Recorded batches: host seconds the first slot's upload waited for the casts of its weights."""
+        self.cast_wait, self.first_upload_bytes = 0.0, 0
+        """Recorded batches: host seconds the first slot's upload waited for its weights' casts; bytes it copied."""
         self.first_upload: list[Any] = []
         """Recorded batches: timer points before and after the upload of the first slot's weights, on
         the stream that copies them (what the next batch cannot prefetch: see ``handoff`` in

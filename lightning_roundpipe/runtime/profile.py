@@ -247,15 +247,17 @@ class TransferRate:
         self.upload_rate = 0.0
         """Bytes per second host to device (0: not measured; CPU workers copy nothing)."""
 
-    def measure(self, flight: Flight, store: HostStore) -> None:
+    def measure(self, flight: Flight) -> None:
         if flight.boundary_bytes and flight.samples:  # the widest boundary: the largest micro-batch's
             self.boundary_per_element = flight.boundary_bytes / max(microbatch_sizes(flight))
         if len(flight.first_upload) == 2:
-            seconds = WorkerDevice.elapsed(*flight.first_upload)
-            first = flight.schedule.stages()[0]
-            nbytes = sum(store.groups[g].compute.nbytes for g in store.groups_of(first.layers))
-            if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
-                self.upload_rate = nbytes / seconds
+            self.timed(flight.first_upload_bytes, WorkerDevice.elapsed(*flight.first_upload))
+
+    def timed(self, nbytes: int, seconds: float) -> None:
+        """``nbytes`` went up in ``seconds`` (the first slot's weights; with the optimizer on the device, which
+        uploads none of them, its compute copies as it takes them from the host)."""
+        if seconds > 0 and nbytes > 1 << 24:  # a transfer long enough to time
+            self.upload_rate = nbytes / seconds
 
     def round_trip(self, elements: float) -> float:
         """Seconds one micro-batch's boundary of ``elements`` input elements takes down to the host and back

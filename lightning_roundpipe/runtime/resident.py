@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.profile import TransferRate
 
 OPTIMIZER_PLACES = ("host", "device", "auto")
 AUTO_SHARE = 0.5
@@ -61,8 +62,9 @@ def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTE
 class ResidentStates:
     """The trainable groups' training states on one worker device (see the module docstring)."""
 
-    def __init__(self, store: HostStore, device: WorkerDevice) -> None:
-        self.store, self.device = store, device
+    def __init__(self, store: HostStore, device: WorkerDevice, transfers: TransferRate | None = None) -> None:
+        self.store, self.device, self.transfers = store, device, transfers
+        """``transfers``: the planner's upload rate, timed here (the slots upload none of these weights)."""
         self.groups = tuple(g.index for g in store.groups if g.trainable)
         self.master: dict[int, Tensor] = {}
         self.grad: dict[int, Tensor] = {}
@@ -83,7 +85,13 @@ class ResidentStates:
 
     @classmethod
     def place(
-        cls, optimizer_on: str, store: HostStore, devices: Any, layerwise_async: bool, memory_limit: float | None
+        cls,
+        optimizer_on: str,
+        store: HostStore,
+        devices: Any,
+        layerwise_async: bool,
+        memory_limit: float | None,
+        transfers: TransferRate | None = None,
     ) -> ResidentStates | None:
         """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
         device with one worker device, the asynchronous layerwise optimizer, a memory limit (a GPU), and states
@@ -95,7 +103,7 @@ class ResidentStates:
             and resident_bytes(store) <= AUTO_SHARE * memory_limit
         ):  # fmt: skip
             return None
-        return cls(store, devices[0])
+        return cls(store, devices[0], transfers)
 
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
@@ -238,14 +246,18 @@ class ResidentStates:
                 if self._shadow is None:
                     self._room[g] = dev.empty(STATE_BYTES * group.data.numel(), torch.uint8, self.stream)
         with dev.on(self.stream):
+            start = dev.timer(self.stream)
+            for g in self.groups:  # what step ``step`` reads (staleness one), from pinned host memory
+                self.reads(g, step).copy_(self.store.reads(g, step), non_blocking=True)
+            end = dev.timer(self.stream)
             for g in self.groups:
-                group = self.store.groups[g]
-                self.master[g].copy_(group.data)
-                self.reads(g, step).copy_(self.store.reads(g, step))  # what step ``step`` reads (staleness one)
+                self.master[g].copy_(self.store.groups[g].data)
                 self.reads(g, step + 1).copy_(self.master[g])  # the masters hold every update before ``step``
             if self._shadow is not None:
                 self._states_from_host()
         dev.host_wait(dev.record(self.stream))
+        if self.transfers is not None:
+            self.transfers.timed(sum(self.reads(g, step).nbytes for g in self.groups), dev.elapsed(start, end))
         self._seen = self._host_view()
         return True
 

@@ -53,6 +53,9 @@ class WeightUploads:
                     for g in self.slots.groups[stage.slot]
                 }
             )
+            if handoff:  # what this slot's upload copies, for the upload rate (a resident group's: nothing)
+                copied = [g for g in self.slots.groups[stage.slot] if resident is None or not groups[g].trainable]
+                flight.first_upload_bytes = sum(groups[g].compute.nbytes for g in copied)
         loaded = self.slots.loaded[key]
         resident = None if flight.evaluating else self.slots.resident
         for g, start, stop in self.slots.parts(stage.slot, "W", action.parts)[action.part]:
