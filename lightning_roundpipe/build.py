@@ -78,7 +78,7 @@ def build_engine(
         double_buffer=options.double_buffer if asynchronous else "none",
         optimizer_on=place,
     )
-    if options.optimizer_on == "auto" and asynchronous:
+    if options.optimizer_on == "auto" and training:
         where = "on the GPU" if engine.resident is not None else "in host memory"
         rank_zero_info(f"roundpipe: the optimizer's states {where} (optimizer_on='auto')")
     return engine

@@ -366,7 +366,9 @@ def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(b
     assert not failed_configurations(results), results
     real = {round(r["tokens_per_s"] * r["timed_seconds"]) for r in results}
     assert len(real) == 1 and real.pop() < 8 * 40 * 2  # the same real tokens, fewer than the padded ones
-    losses = {r["config"]: r["losses"] for r in results}  # the device optimizer keeps the engine's order: on the
-    assert losses["newcomer-devopt"] == losses["newcomer"] and len(losses["newcomer"]) == 4  # CPU the same math
+    # the device optimizer keeps the engine's order: on the CPU the same math, up to the summation order of a plan
+    # adopted a batch earlier or later (a measured plan is taken up once its records are in, which timing decides)
+    losses = {r["config"]: r["losses"] for r in results}
+    assert losses["newcomer-devopt"] == pytest.approx(losses["newcomer"], rel=1e-5) and len(losses["newcomer"]) == 4
     assert {r["config"]: r["optimizer_states"] for r in results if r["config"].startswith("newcomer")} == {
         "newcomer": "host", "newcomer-devopt": "device"}  # fmt: skip

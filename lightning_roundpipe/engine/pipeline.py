@@ -124,8 +124,9 @@ class PipelineEngine:
             if group.grad is not None:
                 self.pool.register(group.grad)
         self.steps = StepChain(
-            self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan, buffers
-        )
+            self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan,
+            buffers if self.resident is None else "none",  # (the device's two copies are what double buffering gives)
+        )  # fmt: skip
         self.crew.when_aborted(self.steps.open_gates)
         self.recovery = Recovery(self.planner, self.steps, self.store, self.crew)
         guards, give_back = self.recovery.guards, self.recovery.give_back

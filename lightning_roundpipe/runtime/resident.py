@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import threading
 import time
 import warnings
 from typing import Any
@@ -76,6 +77,7 @@ class ResidentStates:
         self._params: dict[int, list[tuple[nn.Parameter, nn.Parameter, Tensor]]] = {}
         self._seen: tuple[Any, ...] | None = None  # what the host held when the device last matched it
         self._ahead = False  # updates the host has not seen
+        self._viewing = threading.Lock()  # the optimizer thread's first update sets what the main thread compares
         self._room: dict[int, Tensor] = {}
         """Per group, until its first update: the bytes its optimizer states will take, held on the optimizer's
         stream, so that they come from this block (freed to that stream's cache just before the group's first
@@ -216,10 +218,11 @@ class ResidentStates:
                 if id(p) in carried:
                     shadow.state[sp] = carried[id(p)]
             return
-        seen, self.optimizer = self._seen, optimizer
-        self._states_from_host()
-        if seen is not None:  # the states just taken are what the host holds
-            self._seen = (seen[0], self._state_view())
+        with self._viewing:  # the main thread's look at the host never sees the optimizer without its states' view
+            seen, self.optimizer = self._seen, optimizer
+            self._states_from_host()
+            if seen is not None:  # the states just taken are what the host holds
+                self._seen = (seen[0], self._state_view())
 
     def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter, Tensor]]:
         """(parameter, its shadow on the device, its device gradient) of every trainable parameter."""
@@ -263,7 +266,8 @@ class ResidentStates:
 
     def host_changed(self) -> bool:
         """Whether the host holds masters or states the device has not taken (always before the first batch)."""
-        return self._host_view() != self._seen
+        with self._viewing:
+            return self._host_view() != self._seen
 
     def to_host(self, step: int) -> None:
         """After a flush: the masters, the optimizer's states and the copy step ``step`` reads, on the host."""
