@@ -363,6 +363,7 @@ def test_after_a_failure_the_module_holds_the_updates_the_device_made():
         (2, 1e9, True, False),  # several workers: the host
         (1, 1e9, False, False),  # the blocking (barrier) variant: the host
         (1, "tight", True, False),  # states over half the limit: the host
+        (1, 1e9, "fp16", False),  # fp16 autocast (16-mixed scales its losses): the host
     ],
 )
 def test_auto_puts_the_states_on_the_device_only_where_they_fit_on_one(workers, limit, layerwise, on_device):
@@ -376,6 +377,7 @@ def test_auto_puts_the_states_on_the_device_only_where_they_fit_on_one(workers, 
     engine = PipelineEngine(
         list(model.children()), [WorkerDevice("cpu", i) for i in range(workers)], asynchronous=True,
         optimizer_on="auto", memory_limit=limit, consistency="layerwise" if layerwise else "barrier",
+        autocast_dtype=torch.float16 if layerwise == "fp16" else None,
     )  # fmt: skip
     try:
         assert (engine.resident is not None) == on_device

@@ -108,9 +108,9 @@ class PipelineEngine:
             self.pool, profile_steps, replan_margin, check_every, planner, memory_limit,
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
-        layerwise = asynchronous and consistency == "layerwise"
+        eligible = asynchronous and consistency == "layerwise" and autocast_dtype != torch.float16  # (fp16: scaled)
         self.resident = ResidentStates.place(
-            optimizer_on, self.store, self.devices, layerwise, memory_limit, self.planner.transfers
+            optimizer_on, self.store, self.devices, eligible, memory_limit, self.planner.transfers
         )
         if self.resident is not None:  # the states on the device, the plan's stages under what is left
             self.planner.memory_limit = self.resident.plan_limit(memory_limit)

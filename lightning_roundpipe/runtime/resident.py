@@ -91,17 +91,17 @@ class ResidentStates:
         optimizer_on: str,
         store: HostStore,
         devices: Any,
-        layerwise_async: bool,
+        eligible: bool,
         memory_limit: float | None,
         transfers: TransferRate | None = None,
     ) -> ResidentStates | None:
         """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
-        device with one worker device, the asynchronous layerwise optimizer, a memory limit (a GPU), and states
-        within :data:`AUTO_SHARE` of that limit."""
+        device with one worker device, an engine that could (``eligible``: the asynchronous layerwise optimizer, no
+        fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it."""
         if optimizer_on == "host":
             return None
         if optimizer_on == "auto" and not (
-            len(devices) == 1 and layerwise_async and memory_limit is not None
+            len(devices) == 1 and eligible and memory_limit is not None
             and resident_bytes(store) <= AUTO_SHARE * memory_limit
         ):  # fmt: skip
             return None
