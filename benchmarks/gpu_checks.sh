@@ -36,7 +36,6 @@
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
-#        varlen-8-castbeside (issue 39: the casts on a second host thread, with plain compiled blocks, one call)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
@@ -235,13 +234,6 @@ for step in "${steps[@]}"; do
       # 150 s and printed nothing: Inductor's C++ build of two sizes, or a slow kernel; the log now says which
       run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled \
         --out "$OUT/host-compiled.json" ;;
-    varlen-8-castbeside)  # issue 39 after the gradient gates per group (389335b): 8 a step, the defaults, each group's
-      # cast on a second host thread as its math ends (newcomer-castbeside), and plain with compiled blocks, one call.
-      # Expected: the defaults about as before (23-25k: the optimizer thread still does math then casts, 0.66 s), the
-      # casts beside near 0.5 s a step (30-33k) if the math beside the casts runs as host_step.py measured. About 340 s
-      run varlen-8-castbeside 440 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --micro-batch 8 \
-        --configs newcomer,newcomer-castbeside,plain-compile --warmup 10 --steps 8 --host-trace --config-timeout 130 \
-        --out "$OUT/varlen-8-castbeside.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,
       # 35-45k real tokens/s (SGD's 0.5 s host step gave 30,074; the devices' own step about 0.32 s), its losses equal

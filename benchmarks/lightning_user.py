@@ -24,8 +24,6 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-cudnn``: the defaults with cuDNN first among the SDPA backends (an experiment: see ``experiment``);
   ``newcomer-flash``: flash attention first (no per-shape graph to build); ``newcomer-widthN`` (``--varlen``): each
   micro-batch cut by tokens padded to a multiple of N columns, so shapes repeat (``TokenSplit.width_multiple``);
-- ``newcomer-castbeside``: the defaults with each group's cast on a second host thread as soon as its math is done
-  (an experiment: ``casts_beside_the_math``);
 - ``newcomer-hostN``: the defaults with the optimizer thread's intra-op threads set to N (an experiment);
   ``newcomer-switchN``: the interpreter's switch interval set to N microseconds (an experiment: a thread running
   Python slowed the host step 3.2x in ``host_step.py``, each of the step's many torch calls waiting up to the
@@ -94,7 +92,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import queue
 import resource
 import statistics
 import sys
@@ -401,7 +398,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache", "newcomer-castbeside")
+    same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache")
     same += ("newcomer-noop",)
     if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
         return "roundpipe", False
@@ -434,7 +431,7 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-castbeside, newcomer-devopt, newcomer-noop, newcomer-split,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-devopt, newcomer-noop, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -640,10 +637,6 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
             yield
         return
-    if config == "newcomer-castbeside":
-        with casts_beside_the_math():
-            yield
-        return
     if config.startswith("newcomer-host"):  # the optimizer thread's intra-op threads (torch's are per thread)
         from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 
@@ -675,69 +668,6 @@ def experiment(config: str) -> Iterator[None]:
             TokenSplit.width_multiple = 1
         return
     yield
-
-
-@contextlib.contextmanager
-def casts_beside_the_math() -> Iterator[None]:
-    """``newcomer-castbeside``: each group's cast into its compute copy on a second host thread, queued as soon as
-    the group's math is done, instead of all of them after the update's math on the optimizer thread (an experiment:
-    with gradient gates per group the optimizer thread's math then needs no other link to start the next update;
-    docs/perf-notes.md, nineteenth session). The same casts under the same waits (edge 1), so the same weights; the
-    update returns once its casts landed, which beside the math is about one group's cast after it."""
-    from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
-
-    run, step_group = OptimizerWorker._run, OptimizerWorker._step_group
-    pending: queue.SimpleQueue[tuple[Any, Any, int]] = queue.SimpleQueue()
-
-    def cast_one(worker: OptimizerWorker, job: Any, g: int) -> None:
-        try:
-            spare = worker.store.groups[g].spare is not None
-            window = job.window if spare else job.next_window
-            if window is not None:
-                if not spare:
-                    window.closed.wait()
-                for flight in window.flights:
-                    flight.wait_uploaded(g)
-            worker._cast(job, g)
-        except BaseException as e:  # the optimizer's error path: abort, raised in the main thread
-            worker._on_error(e)
-
-    def casts() -> None:
-        while True:
-            cast_one(*pending.get())
-
-    threading.Thread(target=casts, name="roundpipe-casts-beside", daemon=True).start()
-
-    def beside_run(self: OptimizerWorker, job: Any) -> None:
-        if job.spec is None or not job.cast or self.exchange is not None:
-            return run(self, job)
-        queued: set[int] = set()
-        self._beside = (job, queued)  # type: ignore[attr-defined]
-        try:
-            self._math(job)
-        finally:
-            self._beside = None  # type: ignore[attr-defined]
-        job.math_done.set()
-        for g in job.groups:  # those the math skipped (no gradient, a skipped step) are cast all the same
-            if g not in queued:
-                pending.put((self, job, g))
-        for g in job.groups:
-            job.cast_done[g].wait()
-        return None
-
-    def beside_step_group(self: OptimizerWorker, shadow: Any, shadows_of: Any, g: int) -> None:
-        step_group(self, shadow, shadows_of, g)
-        beside = getattr(self, "_beside", None)
-        if beside is not None:
-            job, queued = beside
-            queued.add(g)
-            pending.put((self, job, g))
-
-    with (
-        mock.patch.object(OptimizerWorker, "_run", beside_run),
-        mock.patch.object(OptimizerWorker, "_step_group", beside_step_group),
-    ):
-        yield
 
 
 def _torch_rms_norm(kernel: Any) -> Any:

@@ -29,15 +29,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.resident import ResidentStates
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
+
+if TYPE_CHECKING:
+    from lightning_roundpipe.runtime.resident import ResidentStates
 
 
 @dataclass
@@ -349,22 +351,27 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Opti
 
     Returns the shadow and a map from ``id(real parameter)`` to its shadow parameter.
     """
-    shadow = copy.copy(optimizer)
-    # An LR scheduler wraps ``optimizer.step`` in an instance attribute bound to the real optimizer:
-    # the shadow must call its class's own step.
-    shadow.__dict__.pop("step", None)
     shadows_of: dict[int, nn.Parameter] = {}
     real_of: dict[int, nn.Parameter] = {}
-    groups = []
     for group in optimizer.param_groups:
-        params = []
         for p in group["params"]:
             if id(p) not in shadows_of:
                 sp = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
                 shadows_of[id(p)] = sp
                 real_of[id(sp)] = p
-            params.append(shadows_of[id(p)])
-        groups.append({**group, "params": params})
-    shadow.param_groups = groups
-    shadow.state = _SharedState(optimizer.state, real_of)  # type: ignore[assignment]
-    return shadow, shadows_of
+    return optimizer_over(optimizer, shadows_of, _SharedState(optimizer.state, real_of)), shadows_of
+
+
+def optimizer_over(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], state: Any) -> Any:
+    """``optimizer``'s class, hyper-parameters and hooks over the parameters ``shadows_of`` maps the real ones to (by
+    ``id``; those it does not map are left out), with ``state`` as its per-parameter state."""
+    shadow = copy.copy(optimizer)
+    # An LR scheduler wraps ``optimizer.step`` in an instance attribute bound to the real optimizer:
+    # the shadow must call its class's own step.
+    shadow.__dict__.pop("step", None)
+    shadow.param_groups = [
+        {**group, "params": [shadows_of[id(p)] for p in group["params"] if id(p) in shadows_of]}
+        for group in optimizer.param_groups
+    ]
+    shadow.state = state
+    return shadow

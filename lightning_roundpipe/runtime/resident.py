@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 import threading
 import time
 import warnings
@@ -39,6 +38,7 @@ from torch import Tensor, nn
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.optimizer_worker import optimizer_over
 from lightning_roundpipe.runtime.profile import TransferRate
 
 OPTIMIZER_PLACES = ("host", "device", "auto")
@@ -195,8 +195,6 @@ class ResidentStates:
         carried: dict[int, dict[str, Any]] = {}
         if self._shadow is not None and self.optimizer is optimizer:
             carried = {id(p): self._shadow.state[sp] for p, sp, _ in self._pairs() if sp in self._shadow.state}
-        shadow = copy.copy(optimizer)
-        shadow.__dict__.pop("step", None)  # an LR scheduler's wrapper, bound to the real optimizer
         of: dict[int, nn.Parameter] = {}
         self._params = {}
         for group in self.store.groups:
@@ -208,10 +206,7 @@ class ResidentStates:
                     of[id(p)] = sp
                     pairs.append((p, sp, self.grad[group.index][span].view(p.shape)))
                 self._params[group.index] = pairs
-        shadow.param_groups = [
-            {**group, "params": [of[id(p)] for p in group["params"] if id(p) in of]} for group in optimizer.param_groups
-        ]
-        shadow.state = collections.defaultdict(dict)  # type: ignore[assignment]
+        shadow = optimizer_over(optimizer, of, collections.defaultdict(dict))
         self._shadow, self._key = shadow, key
         if self.optimizer is optimizer:
             for p, sp, _ in self._pairs():
@@ -340,6 +335,4 @@ class ResidentStates:
 
 def _to(value: Any, device: torch.device) -> Any:
     """A state entry copied to ``device`` (never shared between host and device, even on the CPU stand-in)."""
-    if isinstance(value, Tensor):
-        return value.to(device, copy=True)
-    return copy.deepcopy(value) if not isinstance(value, (int, float)) or math.isfinite(value) else value
+    return value.to(device, copy=True) if isinstance(value, Tensor) else copy.deepcopy(value)
