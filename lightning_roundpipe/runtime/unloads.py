@@ -51,10 +51,10 @@ class GradientUnloads:
             if action.is_last_part:
                 del self.slots.loaded[key]  # the allocator frees it after the compute stream is done with it
             return
-        waits, done = flight.grad_order[key]
-        overwrite = flight.overwrite[key]
         if self.slots.resident is not None:
             return self._into_resident(stage, action, flight, loaded, key)
+        waits, done = flight.grad_order[key]
+        overwrite = flight.overwrite[key]
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
             grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
