@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -10,6 +13,7 @@ from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
+from lightning_roundpipe.runtime.resident import AUTO_SHARE, resident_bytes
 
 
 def worker_devices(devices: list[torch.device]) -> list[WorkerDevice]:
@@ -39,6 +43,7 @@ def build_engine(
     training: bool,
     num_nodes: int = 1,
     autocast_dtype: torch.dtype | None = None,
+    optimizers: Sequence[Any] = (),
 ) -> PipelineEngine:
     """The engine over ``layers``, after refusing (with the table) a run the host could not hold; without
     ``training`` (validate, test, predict) it only runs forward passes and has no optimizer thread."""
@@ -57,9 +62,8 @@ def build_engine(
                 leaner["RoundPipeStrategy(async_optimizer=False)"] = synchronous
         check_host_memory(estimate, leaner=leaner)
     workers = worker_devices(devices)
-    place = options.optimizer_on if asynchronous else "host"
-    if place == "auto" and (num_nodes > 1 or autocast_dtype == torch.float16):
-        place = "host"  # the nodes' exchange and 16-mixed's loss scaling run on the host optimizer
+    place, why = _place(options.optimizer_on if asynchronous else "host", num_nodes, autocast_dtype, optimizers)
+    memory_limit = device_memory_limit(devices, float(options.gpu_memory))
     engine = PipelineEngine(
         layers,
         workers,
@@ -74,11 +78,47 @@ def build_engine(
         planner=options.planner,
         check_every=options.check_every,
         replan_margin=options.replan_margin,
-        memory_limit=device_memory_limit(devices, float(options.gpu_memory)),
+        memory_limit=memory_limit,
         double_buffer=options.double_buffer if asynchronous else "none",
         optimizer_on=place,
     )
     if options.optimizer_on == "auto" and training:
-        where = "on the GPU" if engine.resident is not None else "in host memory"
-        rank_zero_info(f"roundpipe: the optimizer's states {where} (optimizer_on='auto')")
+        if engine.resident is not None:
+            rank_zero_info("roundpipe: the optimizer's states on the GPU (optimizer_on='auto')")
+        else:
+            why = why or _too_big(engine, workers, memory_limit)
+            rank_zero_info(f"roundpipe: the optimizer's states in host memory (optimizer_on='auto': {why})")
     return engine
+
+
+def _place(
+    place: str, num_nodes: int, autocast_dtype: torch.dtype | None, optimizers: Sequence[Any]
+) -> tuple[str, str]:
+    """``optimizer_on`` with the strategy's reasons for the host applied to ``"auto"``, and the reason."""
+    if place != "auto":
+        return place, ""
+    if num_nodes > 1:
+        return "host", "several nodes exchange through the host optimizer"
+    if autocast_dtype == torch.float16:
+        return "host", "16-mixed scales its losses on the host optimizer"
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        if not type(optimizer).__module__.startswith("torch.optim"):
+            return "host", (
+                f"{type(optimizer).__name__} is not one of torch.optim's, whose steps run on a GPU as on the host;"
+                " optimizer_on='device' tries it there"
+            )
+    return place, ""
+
+
+def _too_big(engine: PipelineEngine, workers: list[WorkerDevice], memory_limit: float | None) -> str:
+    """Why the engine kept ``"auto"``'s states on the host (:meth:`ResidentStates.place`'s rules)."""
+    if memory_limit is None:
+        return "CPU workers"
+    if len(workers) > 1:
+        return f"{len(workers)} GPUs share the steps"
+    need = resident_bytes(engine.store)
+    return (
+        f"their {need / 2**30:.1f} GiB are more than {AUTO_SHARE:.0%} of the {memory_limit / 2**30:.1f} GiB"
+        " gpu_memory allows"
+    )

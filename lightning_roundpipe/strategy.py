@@ -59,8 +59,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         gpu_memory: what a plan may use per device: a fraction (``0.8``), bytes or ``"24GiB"``.
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
-        optimizer_on: the asynchronous optimizer's states and steps on the ``"host"`` or, where they fit, the one
-            GPU (``"device"``).
+        optimizer_on: the asynchronous optimizer's states and steps on the ``"host"``, the one GPU
+            (``"device"``), or ``"auto"``: the GPU where they take at most half of ``gpu_memory`` and the optimizer
+            is one of ``torch.optim``'s.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
         split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's, packed where torch's
@@ -89,7 +90,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
         double_buffer: bool | str = False,
-        optimizer_on: str = "host",
+        optimizer_on: str = "auto",
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,
@@ -171,9 +172,10 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
                 "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
                 f" and let Lightning call the optimizer. {_ONE_OPTIMIZER}"
             )
+        if fitting:  # first: optimizer_on="auto" leaves optimizers other than torch.optim's on the host
+            _setup_optimizers(self, trainer)
         self._setup_engine(trainer, training=fitting)
         if fitting:
-            _setup_optimizers(self, trainer)
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
             check_host_step(self.optimizers)
         self.setup_precision_plugin()
@@ -192,7 +194,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         with pipelined.undone_on_failure():  # the host memory check, the nodes' agreement
             self.engine = build_engine(
                 pipelined.layers, self.worker_devices, self.options, self.precision_plugin.compute_dtype,
-                asynchronous, training, self._nodes.count, self.precision_plugin.autocast_dtype,
+                asynchronous, training, self._nodes.count, self.precision_plugin.autocast_dtype, self.optimizers,
             )  # fmt: skip
             self._nodes.join(self.engine, asynchronous)
         steps_after = lambda: asynchronous and _lightning_steps_after(module)  # noqa: E731

@@ -42,6 +42,23 @@ def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs,
 
 
 @pytest.mark.timeout(60)
+def test_a_frozen_base_stays_on_the_host_and_the_adapters_equal_the_host_optimizers():
+    """LoRA's shape (the default ``"auto"`` puts its small trainable part on the GPU): frozen layers stream from
+    the host as before; only the trainable groups' states live on the device, with the host optimizer's result."""
+    model, data = mlp(), batches(4)
+    for layer in (model[0], model[4]):
+        layer.requires_grad_(False)
+    frozen = [p.detach().clone() for p in (*model[0].parameters(), *model[4].parameters())]
+    runs = {}
+    for place in ("host", "device"):
+        trained = copy.deepcopy(model)
+        runs[place], _ = run_async(trained, data, 1, microbatches_per_round=2, optimizer_on=place)
+        assert all(torch.equal(a, b) for a, b in zip(frozen, (*trained[0].parameters(), *trained[4].parameters())))
+    assert torch.equal(runs["device"], runs["host"])
+    assert not torch.equal(runs["device"], _flat(model))  # the adapters trained
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(("clip", "algorithm"), [(0.05, "norm"), (0.01, "value")])
 def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm):
     model, data, lrs = mlp(), batches(4), [0.05, 0.02, 0.01, 0.005]
@@ -386,17 +403,52 @@ def test_auto_puts_the_states_on_the_device_only_where_they_fit_on_one(workers, 
         engine.close()
 
 
+class _OwnAdamW(torch.optim.AdamW):
+    """An optimizer from outside ``torch.optim`` (its step may need the host): ``"auto"`` leaves it there."""
+
+
+_OwnAdamW.__module__ = "someones.optimizers"
+
+
 @pytest.mark.timeout(120)
-def test_auto_through_lightning_says_where_the_states_are(caplog):
+@pytest.mark.parametrize(
+    ("optimizer", "why"),
+    [
+        (torch.optim.AdamW, "CPU workers"),  # the default; CPU workers have no memory limit
+        (_OwnAdamW, "_OwnAdamW is not one of torch.optim's, whose steps run on a GPU as on the host"),
+    ],
+)
+def test_auto_through_lightning_says_where_the_states_are_and_why(caplog, optimizer, why):
     import logging
 
     from helpers import BoringPipeline, fit
 
     from lightning_roundpipe import RoundPipeStrategy
 
+    class Module(BoringPipeline):
+        def configure_optimizers(self):
+            return optimizer(self.parameters(), lr=0.01)
+
     with caplog.at_level(logging.INFO):
-        fit(BoringPipeline, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on="auto")})
-    assert "roundpipe: the optimizer's states in host memory (optimizer_on='auto')" in caplog.text  # CPU workers
+        fit(Module, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy()})
+    assert f"roundpipe: the optimizer's states in host memory (optimizer_on='auto': {why}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("nodes", "autocast", "optimizer", "place"),
+    [
+        (1, None, torch.optim.SGD, "auto"),  # left to the engine's rules (one GPU, the states' size)
+        (2, None, torch.optim.SGD, "host"),
+        (1, torch.float16, torch.optim.SGD, "host"),
+        (1, torch.bfloat16, _OwnAdamW, "host"),
+    ],
+)
+def test_the_strategys_reasons_for_the_host(nodes, autocast, optimizer, place):
+    from lightning_roundpipe.build import _place
+
+    opt = optimizer([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert _place("auto", nodes, autocast, [opt])[0] == place
+    assert _place("device", nodes, autocast, [opt]) == ("device", "")  # asked for: the engine refuses or runs it
 
 
 @pytest.mark.timeout(60)
