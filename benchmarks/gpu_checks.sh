@@ -35,6 +35,7 @@
 #        host-compiled (issue 39: the host step in one compiled pass) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
+#        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
@@ -244,6 +245,22 @@ for step in "${steps[@]}"; do
       run varlen-8-devopt 540 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer-devopt,newcomer,plain-compile --warmup 10 --steps 8 --host-trace \
         --config-timeout 170 --out "$OUT/varlen-8-devopt.json" ;;
+    defaults-8)  # issue 39 with optimizer_on="auto" the default (the states on the GPU where they take at most half of
+      # gpu_memory): every default at 8 a step against plain's best with per-batch padding (compiled blocks, Liger) and
+      # plain with packing (flattened rows, compiled blocks). Expected: the defaults 40-43k real tokens/s (as
+      # newcomer-devopt's 42,404), the log saying "on the GPU"; plain 11-14k; the ratio above 2.8. About 400 s
+      run defaults-8 590 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,plain-compile,plain-liger,plain-compile-packed --warmup 10 --steps 8 --config-timeout 140 \
+        --out "$OUT/defaults-8.json" ;;
+    defaults-rest)  # the new default elsewhere: fixed 32 x 2048 on the full card (expected 49.5-51k, as
+      # newcomer-devopt's 50,502), 32 a step of the varlen data (expected above the host's 41,377), and 8 a step at
+      # 24 GiB, where the 32 GiB of states do not fit and "auto" keeps the host (expected 15-21k as before). About 330 s
+      run defaults-fixed 150 python benchmarks/lightning_user.py --configs newcomer --warmup 8 --steps 6 \
+        --config-timeout 140 --out "$OUT/defaults-fixed.json"
+      run defaults-32 160 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --configs newcomer \
+        --warmup 10 --steps 4 --config-timeout 150 --out "$OUT/defaults-32.json"
+      run defaults-8-24gib 170 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer --warmup 26 --steps 6 --config-timeout 160 --out "$OUT/defaults-8-24gib.json" ;;
     fixed-devopt)  # the same on fixed 32 x 2048, full card (49.3-49.5k with the defaults): expected not slower,
       # the plan under 0.8 of the card less the 32 GiB of states. About 300 s
       run fixed-devopt 340 python benchmarks/lightning_user.py --configs newcomer-devopt,newcomer --warmup 8 \

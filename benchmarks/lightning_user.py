@@ -38,12 +38,15 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
   blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
   2026-12-04; ``cache_releases`` in the result counts them): the reserve left to creep with lengths that vary;
-- ``newcomer-sgd``: the defaults with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
+- ``newcomer-sgd``: ``newcomer-hostopt`` with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
 - ``newcomer-devopt``: ``RoundPipeStrategy(optimizer_on="device")``: the optimizer's states, the fp32 masters, their
   gradients and two bf16 compute copies kept on the one GPU, the engine's order unchanged (the host step leaves the
-  host);
+  host; since 2026-12-04 the default ``"auto"`` does this where the states take at most half of ``gpu_memory``);
+- ``newcomer-hostopt``: ``RoundPipeStrategy(optimizer_on="host")``: the states and the step in host memory (the
+  default before 2026-12-04, and still where they do not fit); ``newcomer-sgd``, ``newcomer-noop`` and
+  ``newcomer-hostN`` are experiments on this host step and use it too;
 - ``newcomer-noop``: an optimizer whose step does nothing (the host's math gone, its casts and the transfers left:
   what the devices and the rest of the host's work give);
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
@@ -398,10 +401,11 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-sgd", "newcomer-keepcache")
-    same += ("newcomer-noop",)
-    if config in same or config.startswith(("newcomer-width", "newcomer-host", "newcomer-switch")):
+    same += ("newcomer-blocking", "newcomer-keepcache")
+    if config in same or config.startswith(("newcomer-width", "newcomer-switch")):
         return "roundpipe", False
+    if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
+        return RoundPipeStrategy(optimizer_on="host"), False  # experiments on the host optimizer's step
     if config == "newcomer-devopt":
         return RoundPipeStrategy(optimizer_on="device"), False
     if config == "newcomer-nokernels":
@@ -431,7 +435,7 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-devopt, newcomer-noop, newcomer-split,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-devopt, newcomer-hostopt, newcomer-noop, newcomer-split,"
         " newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -637,7 +641,8 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
             yield
         return
-    if config.startswith("newcomer-host"):  # the optimizer thread's intra-op threads (torch's are per thread)
+    if config.startswith("newcomer-host") and config != "newcomer-hostopt":  # the optimizer thread's intra-op
+        # threads (torch's are per thread)
         from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 
         threads, run = int(config.removeprefix("newcomer-host")), OptimizerWorker._run
