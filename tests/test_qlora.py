@@ -156,9 +156,10 @@ def test_the_host_holds_the_packed_weights_once_and_only_adapters_get_optimizer_
 
 
 @pytest.mark.timeout(120)
-def test_asynchronous_qlora_equals_the_staleness_one_reference(saved):
+@pytest.mark.parametrize("place", ["host", "device"])  # "device": what the default "auto" picks on one GPU
+def test_asynchronous_qlora_equals_the_staleness_one_reference(saved, place):
     ours = QLoRA(saved)
-    fit(ours, RoundPipeStrategy(num_microbatches=3), 2)
+    fit(ours, RoundPipeStrategy(num_microbatches=3, optimizer_on=place), 2 if place == "host" else 1)  # (one device)
     L.seed_everything(0, verbose=False)
     reference = QLoRA(saved)
     current, lagged = reference.model, copy.deepcopy(reference.model)
