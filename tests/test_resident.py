@@ -85,6 +85,49 @@ def _flat(model) -> torch.Tensor:
 
 
 @pytest.mark.timeout(60)
+def test_the_modules_weights_follow_the_updates_during_training_as_with_the_host_optimizer():
+    """What a callback reads every batch (an EMA of the weights) must not sit at the last flush: each update's
+    master is copied to the host, and that copy is not taken for a user's edit."""
+    model, data, seen = mlp(), batches(4), {}
+    for place in ("host", "device"):
+        trained = copy.deepcopy(model)
+        engine = PipelineEngine(list(trained.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+        opt, seen[place] = make_optimizer(trained.parameters()), []
+        try:
+            for (x, y), *_ in data:
+                engine.train_batch(x, y, F.mse_loss)
+                engine.submit_step(UpdateSpec.capture(opt))
+                engine.crew.optimizer.wait_math()  # the update applied to the masters; no flush
+                seen[place].append(_flat(trained))
+                if place == "device":
+                    assert not engine.resident.host_changed()
+        finally:
+            engine.close()
+    assert all(torch.equal(a, b) for a, b in zip(seen["device"], seen["host"]))
+    assert not torch.equal(seen["device"][0], seen["device"][-1])
+
+
+@pytest.mark.timeout(120)
+def test_a_callback_sees_the_weights_move_through_lightning():
+    import lightning as L
+    from helpers import BoringPipeline, fit
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    class Watch(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.seen.append(next(pl_module.parameters()).detach().clone())
+
+    watch = Watch()
+    strategy = RoundPipeStrategy(optimizer_on="device")
+    fit(BoringPipeline, {"accelerator": "cpu", "devices": 1, "strategy": strategy, "callbacks": [watch]})
+    assert len(watch.seen) == 8 and not torch.equal(watch.seen[0], watch.seen[-1])
+
+
+@pytest.mark.timeout(60)
 def test_the_gradient_norm_is_measured_on_the_device():
     model, data, norms = mlp(), batches(4), []
     staleness_one_reference(model, data, norms=norms)

@@ -119,10 +119,11 @@ class PipelineEngine:
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
             max_inflight, asynchronous,
         )  # fmt: skip
-        for group in self.store.groups:  # weights, and first gradient writes, travel by DMA
-            self.pool.register(group.compute)
-            if group.grad is not None:
-                self.pool.register(group.grad)
+        for group in self.store.groups:  # weights, first gradient writes and the device's masters travel by DMA
+            own = group.trainable and group.data.data_ptr() != group.compute.data_ptr()  # (not one buffer)
+            for tensor in (group.compute, group.grad, group.data if own and self.resident is not None else None):
+                if tensor is not None:
+                    self.pool.register(tensor)
         self.steps = StepChain(
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan,
             buffers if self.resident is None else "none",  # (the device's two copies are what double buffering gives)

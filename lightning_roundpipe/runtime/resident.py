@@ -6,7 +6,10 @@ writes 28, the cast 6, the gradients' arrival and the weights' departure 6), and
 shape at 8 sequences a step that bounded the step: letting those parts overlap more made it slower, and SGD's
 lighter math ran 30,074 real tokens/s against AdamW's 24,005 (docs/benchmarks.md, 2026-12-04). Here, per trainable
 group, the worker's device holds the fp32 master, its fp32 gradient, two compute copies (step ``k`` reads copy
-``k % 2``) and the optimizer's states; nothing of them crosses PCIe during training.
+``k % 2``) and the optimizer's states. Of them only the masters cross PCIe during training: each update's is
+copied to the host's (4 bytes a parameter over the device-to-host link, which this mode leaves idle otherwise), so
+that what reads the module's weights between steps (an EMA of the weights, a callback) sees them move as with the
+host optimizer; the optimizer's states reach the host only at a flush.
 
 The engine's order is kept exactly (staleness one; the edges of :mod:`~lightning_roundpipe.runtime.optimizer_worker`),
 with the same host gates, each opened only once the device work behind it finished:
@@ -78,6 +81,8 @@ class ResidentStates:
         self._seen: tuple[Any, ...] | None = None  # what the host held when the device last matched it
         self._ahead = False  # updates the host has not seen
         self._viewing = threading.Lock()  # the optimizer thread's first update sets what the main thread compares
+        self._mirror_stream: Any = None  # the masters' copies to the host after each update
+        self._mirrored: dict[int, Any] = {}  # per group, the last of them
         self._room: dict[int, Tensor] = {}
         """Per group, until its first update: the bytes its optimizer states will take, held on the optimizer's
         stream, so that they come from this block (freed to that stream's cache just before the group's first
@@ -159,6 +164,8 @@ class ResidentStates:
             job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
             start = time.perf_counter()
             with dev.on(self.stream):
+                if g in self._mirrored:  # the host's copy of the last update has been read out of the master
+                    dev.wait(self.stream, self._mirrored[g])
                 if spec.clip_value is not None and spec.clip_algorithm == "value":
                     self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
                 elif coefficient < 1.0:
@@ -166,7 +173,9 @@ class ResidentStates:
                 self._room.pop(g, None)  # its states come from this block, back in this stream's cache
                 self._step_group(g)
                 self.copies[g][job.step % 2].copy_(self.master[g])  # what step k + 2 reads (edges 1 and 2)
-            dev.host_wait(dev.record(self.stream))
+            done = dev.record(self.stream)
+            self._mirror(g, done)
+            dev.host_wait(done)
             job.consumed[g].set()  # edge 4: the next step's first write may overwrite the gradient
             job.cast_done[g].set()
             end = time.perf_counter()
@@ -175,6 +184,27 @@ class ResidentStates:
                 trace.append(("update", job.step, g, start, end))
         self._ahead = True
         return working, total
+
+    def _mirror(self, g: int, updated: Any) -> None:
+        """The updated master into the host's (the module's weights), on a stream of its own, after ``updated``:
+        what a callback reads during training (an EMA of the weights) moves as with the host optimizer, one
+        step behind at most, for 4 bytes a parameter over the otherwise idle device-to-host link."""
+        dev, index = self.device, self.groups.index(g)
+        dev.wait(self._mirror_stream, updated)
+        with self._viewing, dev.on(self._mirror_stream):  # the copy's version bump is ours, not a user's edit
+            group = self.store.groups[g]
+            ours = self._seen is not None and self._seen[0][index] == group.version()
+            group.data.copy_(self.master[g], non_blocking=True)
+            if ours:
+                versions = list(self._seen[0])
+                versions[index] = group.version()
+                self._seen = (tuple(versions), self._seen[1])
+        self._mirrored[g] = dev.record(self._mirror_stream)
+
+    def _after_mirrors(self) -> None:
+        """On the states' stream: the host copies in flight finished (before it reads or writes the host's)."""
+        for event in list(self._mirrored.values()):
+            self.device.wait(self.stream, event)
 
     def _step_group(self, g: int) -> None:
         assert self._shadow is not None
@@ -232,7 +262,7 @@ class ResidentStates:
             return False
         dev = self.device
         if not self.master:
-            self.stream = dev.new_stream()
+            self.stream, self._mirror_stream = dev.new_stream(), dev.new_stream()
             for g in self.groups:
                 group = self.store.groups[g]
                 self.master[g] = dev.empty(group.data.numel(), group.data.dtype, self.stream)
@@ -244,6 +274,7 @@ class ResidentStates:
                 if self._shadow is None:
                     self._room[g] = dev.empty(STATE_BYTES * group.data.numel(), torch.uint8, self.stream)
         with dev.on(self.stream):
+            self._after_mirrors()
             start = dev.timer(self.stream)
             for g in self.groups:  # what step ``step`` reads (staleness one), from pinned host memory
                 self.reads(g, step).copy_(self.store.reads(g, step), non_blocking=True)
@@ -277,6 +308,7 @@ class ResidentStates:
             )
         dev = self.device
         with dev.on(self.stream):
+            self._after_mirrors()
             for g in self.groups:
                 self.store.groups[g].data.copy_(self.master[g])
                 self.store.reads(g, step).copy_(self.reads(g, step))
