@@ -179,6 +179,34 @@ def test_a_checkpoint_resumes_exactly_and_the_masters_reach_the_module():
 
 
 @pytest.mark.timeout(60)
+def test_each_flush_writes_the_states_into_the_hosts_tensors_of_the_last():
+    """Every validation or checkpoint flushes: the states come back into the host tensors the last flush made
+    (no new memory each time), holding what the host optimizer's own states hold."""
+    model, data = mlp(), batches(6)
+    states = {}
+    for place in ("host", "device"):
+        trained = copy.deepcopy(model)
+        opt = make_optimizer(trained.parameters())
+        engine = PipelineEngine(list(trained.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+        try:
+            _train(engine, opt, data[:3])
+            engine.flush()
+            first = {(id(p), k): v.data_ptr() for p, s in opt.state.items() for k, v in s.items()}
+            before = copy.deepcopy(opt.state_dict())
+            _train(engine, opt, data[3:])
+            engine.flush()
+            if place == "device":
+                assert {(id(p), k): v.data_ptr() for p, s in opt.state.items() for k, v in s.items()} == first
+            assert not torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+            states[place] = copy.deepcopy(opt.state_dict()["state"])
+        finally:
+            engine.close()
+    assert states["device"].keys() == states["host"].keys()
+    for i, entry in states["host"].items():
+        assert all(torch.equal(entry[k], states["device"][i][k]) for k in entry)
+
+
+@pytest.mark.timeout(60)
 def test_evaluation_between_steps_sees_the_masters_and_leaves_training_as_it_was():
     model, data = mlp(), batches(5)
     x, y = batches(1, size=8)[0][0]
