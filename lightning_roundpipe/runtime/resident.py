@@ -313,11 +313,10 @@ class ResidentStates:
                 self.store.groups[g].data.copy_(self.master[g])
                 self.store.reads(g, step).copy_(self.reads(g, step))
         if self._shadow is not None and self.optimizer is not None:
-            state = self.optimizer.state
-            for p, sp, _ in self._pairs():
-                if sp in self._shadow.state:
-                    held = state.get(p) or {}  # a flush's host tensors, written again in place by the next
-                    state[p] = {k: _into(held.get(k), v) for k, v in self._shadow.state[sp].items()}
+            state, shadow = self.optimizer.state, self._shadow.state
+            for p, sp, _ in self._pairs():  # into the last flush's host tensors, in place
+                if sp in shadow:
+                    state[p] = {k: _into(state.get(p, {}).get(k), v) for k, v in shadow[sp].items()}
         dev.host_wait(dev.record(self.stream))
         self._seen, self._ahead = self._host_view(), False
 
