@@ -167,6 +167,27 @@ def test_a_batch_that_keeps_running_out_of_memory_raises_and_leaves_the_engine_u
 
 
 @pytest.mark.timeout(60)
+def test_with_the_states_on_the_device_giving_up_says_the_host_would_leave_the_plan_more():
+    """optimizer_on='auto' puts the states on a GPU where they take at most half of its limit: a batch that no
+    smaller plan can hold must say so, and that optimizer_on='host' gives the plan the whole limit."""
+    seq, fault = model("resident-gives-up", "backward", times=100)
+    engine = engine_of(seq, 1, asynchronous=True, optimizer_on="device")
+    opt = make_optimizer(seq.parameters())
+    (x0, y0), (x1, y1) = batches(2)
+    try:
+        engine.train_batch(x0, y0, F.mse_loss, last_of_step=True)
+        engine.submit_step(UpdateSpec.capture(opt))
+        fault.arm()
+        with warnings.catch_warnings(record=True), pytest.raises(torch.OutOfMemoryError) as info:
+            engine.train_batch(x1, y1, F.mse_loss, last_of_step=True)
+    finally:
+        fault.left = 0
+        engine.close()
+    notes = "\n".join(info.value.__notes__)
+    assert "gave up" in notes and "optimizer_on='host'" in notes and "GiB of this device" in notes
+
+
+@pytest.mark.timeout(60)
 def test_the_lowered_memory_limit_and_the_new_plan_travel_in_checkpoints():
     seq, fault = model("checkpoint", "run")
     engine = engine_of(seq, 1)
@@ -301,14 +322,18 @@ def test_an_unguarded_asynchronous_batch_that_runs_out_of_memory_stops_with_the_
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("workers", "per_step"), [(1, 1), (2, 1), (2, 2)])
-def test_asynchronous_training_equals_the_staleness_one_reference_after_a_recovered_batch(workers, per_step):
+@pytest.mark.parametrize(
+    ("workers", "per_step", "place"),
+    [(1, 1, "host"), (2, 1, "host"), (2, 2, "host"), (1, 1, "device"), (1, 2, "device")],
+)
+def test_asynchronous_training_equals_the_staleness_one_reference_after_a_recovered_batch(workers, per_step, place):
     """The first batch on the automatic plan fails (guarded: it settles, joins its step only when done, and
-    no cast of the previous update lands before); the run still equals the explicit staleness-1 loop."""
-    seq, fault = model(f"async-{workers}-{per_step}", "backward")
+    no cast of the previous update lands before); the run still equals the explicit staleness-1 loop, with the
+    optimizer's states on the host or on the device (where the failed attempt's gradients went)."""
+    seq, fault = model(f"async-{workers}-{per_step}-{place}", "backward")
     reference = copy.deepcopy(seq)
     data = [batches(per_step) for _ in range(5)]
-    engine = engine_of(seq, workers, asynchronous=True)
+    engine = engine_of(seq, workers, asynchronous=True, optimizer_on=place)
     opt = make_optimizer(seq.parameters())
     try:
         for t, step_batches in enumerate(data):

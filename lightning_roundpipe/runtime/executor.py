@@ -116,10 +116,17 @@ class StageExecutor:
                 f" on {self.device.device}: {allocated:.2f} GiB allocated, {reserved - allocated:.2f} GiB reserved"
                 " by PyTorch but unallocated (fragmentation)"
             )
+        states = ""
+        if (resident := self._slots.resident) is not None:
+            states = (
+                f" The optimizer's states take {resident.need / 2**30:.2f} GiB of this device beside the plan"
+                " (optimizer_on='device', or 'auto' where they take at most half of gpu_memory):"
+                " RoundPipeStrategy(optimizer_on='host') keeps them in host memory and leaves the plan all of it."
+            )
         return (
             f"roundpipe: {where} ran out of memory{memory}. Lower RoundPipeStrategy(gpu_memory=...) so the"
             " automatic plan makes smaller stages, or pass a plan with smaller stages; use more micro-batches"
-            " (num_microbatches) or a smaller batch or shorter sequences. docs/tuning.md has more."
+            f" (num_microbatches) or a smaller batch or shorter sequences. docs/tuning.md has more.{states}"
         )
 
     # ------------------------------------------------------------------ one batch
