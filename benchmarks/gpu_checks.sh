@@ -35,7 +35,7 @@
 #        host-compiled (issue 39: the host step in one compiled pass) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
-#        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default)
+#        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default) mirror (the masters' copy to the host)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
@@ -252,6 +252,11 @@ for step in "${steps[@]}"; do
       run defaults-8 590 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,plain-compile,plain-liger,plain-compile-packed --warmup 10 --steps 8 --config-timeout 140 \
         --out "$OUT/defaults-8.json" ;;
+    mirror)  # issue 39: each update's fp32 masters copied to the host's (2026-12-07, so the module's weights move
+      # during training) against no copy, every default otherwise, 8 a step on the full card. Expected within 2% of
+      # each other (6.9 GB a step over the otherwise idle device-to-host link, about 0.14 s beside a 0.41 s step)
+      run mirror 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,newcomer-nomirror --warmup 10 --steps 8 --config-timeout 150 --out "$OUT/mirror.json" ;;
     defaults-rest)  # the new default elsewhere: fixed 32 x 2048 on the full card (expected 49.5-51k, as
       # newcomer-devopt's 50,502), 32 a step of the varlen data (expected above the host's 41,377), and 8 a step at
       # 24 GiB, where the 32 GiB of states do not fit and "auto" keeps the host (expected 15-21k as before). About 330 s

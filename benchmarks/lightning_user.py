@@ -38,6 +38,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
   blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
   2026-12-04; ``cache_releases`` in the result counts them): the reserve left to creep with lengths that vary;
+- ``newcomer-nomirror``: the defaults without the copy of each update's fp32 masters to the host's (4 bytes a
+  parameter device to host, since 2026-12-07, so that the module's weights move during training as on the host
+  path): what that copy costs where the states are on the GPU (an experiment; the module then sits at the last flush);
 - ``newcomer-sgd``: ``newcomer-hostopt`` with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
@@ -401,7 +404,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-keepcache")
+    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror")
     if config in same or config.startswith(("newcomer-width", "newcomer-switch")):
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
@@ -435,8 +438,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-devopt, newcomer-hostopt, newcomer-noop, newcomer-split,"
-        " newcomer-sync,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-devopt, newcomer-hostopt, newcomer-noop,"
+        " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
     )
@@ -639,6 +642,12 @@ def experiment(config: str) -> Iterator[None]:
         from lightning_roundpipe.engine.cache import CacheWatch
 
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
+            yield
+        return
+    if config == "newcomer-nomirror":  # the device's masters not copied to the host's after each update
+        from lightning_roundpipe.runtime.resident import ResidentStates
+
+        with mock.patch.object(ResidentStates, "_mirror", lambda self, g, updated: None):
             yield
         return
     if config.startswith("newcomer-host") and config != "newcomer-hostopt":  # the optimizer thread's intra-op
