@@ -36,9 +36,31 @@ def batches(steps: int, per_step: int = 1, size: int = 12) -> list[list[tuple[to
             for _ in range(steps)]  # fmt: skip
 
 
+class OwnSettings(torch.optim.Optimizer):
+    """Momentum SGD that keeps its settings and a flag on the instance, not in ``defaults``, as bitsandbytes'
+    optimizers do (a copy through torch's pickling keeps only ``defaults``, ``state`` and ``param_groups``)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+        self.settings = {"momentum": 0.9}
+        self.initialized = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.initialized = True
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    buf.mul_(self.settings["momentum"]).add_(p.grad)
+                    p.add_(buf, alpha=-group["lr"])
+
+
 def make_optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    if kind == "own":
+        return OwnSettings(params, lr=0.1)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 

@@ -42,6 +42,18 @@ def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs,
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_an_optimizer_that_keeps_its_settings_on_itself_equals_the_reference(place):
+    """The optimizer thread steps a shadow of the user's optimizer: it must carry every attribute (bitsandbytes'
+    8-bit optimizers failed at the first update when it carried only torch's pickled three)."""
+    model, data = mlp(), batches(4)
+    want = staleness_one_reference(model, data, kind="own")
+    got, opt = run_async(copy.deepcopy(model), data, 1, kind="own", optimizer_on=place)
+    assert (got - want).norm() <= 1e-6 * want.norm()
+    assert all(set(s) == {"buf"} for s in opt.state.values()) and not opt.initialized  # the real one never stepped
+
+
+@pytest.mark.timeout(60)
 def test_a_frozen_base_stays_on_the_host_and_the_adapters_equal_the_host_optimizers():
     """LoRA's shape (the default ``"auto"`` puts its small trainable part on the GPU): frozen layers stream from
     the host as before; only the trainable groups' states live on the device, with the host optimizer's result."""

@@ -365,10 +365,16 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Opti
 def optimizer_over(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], state: Any) -> Any:
     """``optimizer``'s class, hyper-parameters and hooks over the parameters ``shadows_of`` maps the real ones to (by
     ``id``; those it does not map are left out), with ``state`` as its per-parameter state."""
-    shadow = copy.copy(optimizer)
+    # Every attribute, not only the three torch pickles (what ``copy.copy`` keeps): bitsandbytes' optimizers and
+    # others read their own settings from the instance in ``step``.
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
     # An LR scheduler wraps ``optimizer.step`` in an instance attribute bound to the real optimizer:
     # the shadow must call its class's own step.
     shadow.__dict__.pop("step", None)
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # the user's hooks are the real
+        if hooks in shadow.__dict__:  # step's, not each group's
+            setattr(shadow, hooks, collections.OrderedDict())
     shadow.param_groups = [
         {**group, "params": [shadows_of[id(p)] for p in group["params"] if id(p) in shadows_of]}
         for group in optimizer.param_groups
