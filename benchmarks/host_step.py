@@ -6,7 +6,7 @@ issue-39 workload the devices wait for both (docs/perf-notes.md, seventeenth ses
 each part costs and whether they overlap or share the memory bus:
 
 - ``memcpy``: an fp32 copy of every parameter (the bus's read-and-write rate, for scale);
-- ``math``: torch's fused AdamW, one group at a time (what ``OptimizerWorker._step_group`` does);
+- ``math``: torch's fused AdamW, one group at a time (what ``OptimizerWorker._step_groups`` does);
 - ``cast``: each group's fp32 master copied into its pinned bf16 compute copy (``HostStore.refresh_group``);
 - ``cast-4-threads``: the same cast cut into four slices on four threads;
 - ``math-then-cast``: both on one thread, as the optimizer thread does them now;

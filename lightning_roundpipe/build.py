@@ -112,7 +112,8 @@ def _place(
 
 
 def _too_big(engine: PipelineEngine, workers: list[WorkerDevice], memory_limit: float | None) -> str:
-    """Why the engine kept ``"auto"``'s states on the host (:meth:`ResidentStates.place`'s rules)."""
+    """Why the engine kept ``"auto"``'s states on the host (the rules of
+    :func:`~lightning_roundpipe.runtime.resident.place_states`)."""
     if memory_limit is None:
         return "CPU workers"
     if len(workers) > 1:

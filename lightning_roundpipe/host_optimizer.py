@@ -26,8 +26,10 @@ from statistics import median
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_roundpipe.runtime.callers import outside_package
+from lightning_roundpipe.runtime.shadow import steps_apart
 
 CALIBRATION_ELEMENTS = 1 << 22
 """Parameters of the scratch tensor an explicit choice's cost is measured on (16 MiB in fp32)."""
@@ -116,6 +118,32 @@ def check_host_step(optimizers: list[Any]) -> None:
                 stacklevel=outside_package(),
             )
             break
+
+
+def check_coupling(optimizers: list[Any], num_nodes: int) -> list[str]:
+    """The optimizers whose step couples their parameters (one step of all differs from steps of parts:
+    :func:`~lightning_roundpipe.runtime.shadow.steps_apart`), each said once: the asynchronous updates wait for a
+    step's last gradient and step them at once. Several nodes, which each update their own groups, refuse them."""
+    coupled = []
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        if steps_apart(optimizer):
+            continue
+        name = type(optimizer).__name__
+        if num_nodes > 1:
+            raise ValueError(
+                f"{name}'s step couples its parameters (one step of all of them differs from steps of parts, as"
+                " with a norm over all of them or a count kept per step() call), and roundpipe's nodes each update"
+                " their own part of the model: use an optimizer whose step treats each parameter alone"
+                " (torch.optim's), or one node."
+            )
+        rank_zero_info(
+            f"roundpipe: {name}'s step couples its parameters (one step of all differs from steps of parts), so"
+            " each update waits for the step's last gradient and steps them at once (torch.optim's optimizers are"
+            " stepped group by group as each gradient completes)"
+        )
+        coupled.append(name)
+    return coupled
 
 
 _DEVICE_ERROR = re.compile(r"cuda|gpu|device|triton", re.IGNORECASE)

@@ -25,7 +25,7 @@ from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.build import build_engine
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
-from lightning_roundpipe.host_optimizer import HostStepClock, check_host_step, use_fused_kernels
+from lightning_roundpipe.host_optimizer import HostStepClock, check_coupling, check_host_step, use_fused_kernels
 from lightning_roundpipe.models import quantized
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
@@ -178,6 +178,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         if fitting:
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
             check_host_step(self.optimizers)
+            if self.async_optimizer:
+                check_coupling(self.optimizers, self._nodes.count)
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:

@@ -56,11 +56,52 @@ class OwnSettings(torch.optim.Optimizer):
                     p.add_(buf, alpha=-group["lr"])
 
 
+class GroupCounted(torch.optim.Optimizer):
+    """Adam-like, with its step count kept in the parameter group and advanced once per ``step()`` call, as many
+    third-party optimizers (pytorch_optimizer's, schedule-free's) keep theirs: stepped part by part it would
+    count several steps per step, and a shadow whose groups are reloaded from the real ones would never count."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            correction = 1 - 0.9 ** group["step"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    avg = self.state[p].setdefault("avg", torch.zeros_like(p))
+                    avg.mul_(0.9).add_(p.grad, alpha=0.1)
+                    p.add_(avg, alpha=-group["lr"] / correction)
+
+
+class GlobalNorm(torch.optim.Optimizer):
+    """SGD on the gradients scaled by their norm over every parameter of the step (LAMB-like layer coupling):
+    no group state, but one step of all differs from steps of parts."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / float(total))
+
+
 def make_optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
     if kind == "own":
         return OwnSettings(params, lr=0.1)
+    if kind == "counted":
+        return GroupCounted(params, lr=0.05)
+    if kind == "global-norm":
+        return GlobalNorm(params, lr=0.05)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
@@ -207,11 +248,11 @@ def _jitter(monkeypatch, seed: int) -> None:
 
     run, step, collect = (
         executor_module.StageExecutor._run,
-        optimizer_module.OptimizerWorker._step_group,
+        optimizer_module.OptimizerWorker._step_groups,
         executor_module.GradCollector.submit,
     )
     monkeypatch.setattr(executor_module.StageExecutor, "_run", lambda self, *a: (nap(), run(self, *a))[1])
-    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_group", lambda self, *a: (nap(), step(self, *a))[1])
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (nap(), step(self, *a))[1])
     monkeypatch.setattr(executor_module.GradCollector, "submit", lambda self, *a: (nap(), collect(self, *a))[1])
 
 
@@ -250,9 +291,9 @@ def traced_steps(engine: PipelineEngine, model: nn.Module, steps: int = 4) -> li
 
 def slow_updates(monkeypatch, seconds: float) -> tuple[PipelineEngine, nn.Module]:
     """An asynchronous engine on two CPU workers whose optimizer thread sleeps ``seconds`` per group."""
-    step = optimizer_module.OptimizerWorker._step_group
+    step = optimizer_module.OptimizerWorker._step_groups
     monkeypatch.setattr(
-        optimizer_module.OptimizerWorker, "_step_group", lambda self, *a: (time.sleep(seconds), step(self, *a))[1]
+        optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (time.sleep(seconds), step(self, *a))[1]
     )
     model = mlp()
     engine = PipelineEngine(
@@ -317,7 +358,7 @@ def test_optimizer_failure_reaches_the_main_thread(monkeypatch):
     def broken(self, *args):
         raise FloatingPointError("optimizer blew up")
 
-    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_group", broken)
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_groups", broken)
     model = mlp()
     engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], asynchronous=True)
     opt = make_optimizer(model.parameters())
@@ -370,7 +411,7 @@ def test_lightning_async_equals_staleness_one_reference(extra):
 
 
 def test_shadow_steps_itself_even_when_a_scheduler_wrapped_the_real_step():
-    from lightning_roundpipe.runtime.optimizer_worker import shadow_optimizer
+    from lightning_roundpipe.runtime.shadow import shadow_optimizer
 
     p = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)

@@ -43,14 +43,50 @@ def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("place", ["host", "device"])
-def test_an_optimizer_that_keeps_its_settings_on_itself_equals_the_reference(place):
-    """The optimizer thread steps a shadow of the user's optimizer: it must carry every attribute (bitsandbytes'
-    8-bit optimizers failed at the first update when it carried only torch's pickled three)."""
+@pytest.mark.parametrize("kind", ["own", "counted", "global-norm"])
+def test_optimizers_beyond_per_parameter_state_equal_the_reference(place, kind):
+    """The optimizer thread steps a shadow of the user's optimizer, group by group. It must carry every attribute
+    (bitsandbytes' 8-bit optimizers failed at the first update when it carried only torch's pickled three), keep
+    what the steps change in the parameter groups (a step count: reloaded from the real groups at every update it
+    never advanced), and step at once an optimizer whose step couples its parameters (a global norm, a count per
+    call), each silently different from the user's optimizer before (pytorch_optimizer's Lamb 1e-1 relative)."""
     model, data = mlp(), batches(4)
-    want = staleness_one_reference(model, data, kind="own")
-    got, opt = run_async(copy.deepcopy(model), data, 1, kind="own", optimizer_on=place)
+    lrs = [0.05, 0.04, 0.03, 0.02]  # a scheduler's changes still reach the shadow
+    want = staleness_one_reference(model, data, kind=kind, lrs=lrs)
+    got, opt = run_async(copy.deepcopy(model), data, 1, kind=kind, lrs=lrs, optimizer_on=place)
     assert (got - want).norm() <= 1e-6 * want.norm()
-    assert all(set(s) == {"buf"} for s in opt.state.values()) and not opt.initialized  # the real one never stepped
+    if kind == "own":
+        assert all(set(s) == {"buf"} for s in opt.state.values()) and not opt.initialized  # the real never stepped
+    if kind == "counted":
+        assert opt.param_groups[0]["step"] == 4  # the steps' count reached the real group at the flush
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_a_step_count_kept_in_the_groups_survives_a_checkpoint(place):
+    model, data = mlp(), batches(6)
+    whole, _ = run_async(copy.deepcopy(model), data, 1, kind="counted", optimizer_on=place)
+    first = copy.deepcopy(model)
+    opt = make_optimizer(first.parameters(), "counted")
+    engine = PipelineEngine(list(first.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+    try:
+        _train(engine, opt, data[:3])
+        state = engine.state_dict()
+        saved = (copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict()), copy.deepcopy(state))
+    finally:
+        engine.close()
+    assert saved[1]["param_groups"][0]["step"] == 3
+    resumed = mlp(seed=1)
+    engine = PipelineEngine(list(resumed.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+    try:
+        resumed.load_state_dict(saved[0])
+        opt = make_optimizer(resumed.parameters(), "counted")
+        opt.load_state_dict(saved[1])
+        engine.load_state_dict(saved[2])
+        _train(engine, opt, data[3:])
+    finally:
+        engine.close()
+    assert torch.equal(_flat(resumed), whole) and opt.param_groups[0]["step"] == 6
 
 
 @pytest.mark.timeout(60)

@@ -41,7 +41,7 @@ from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.profile import records_complete
-from lightning_roundpipe.runtime.resident import OPTIMIZER_PLACES, ResidentStates
+from lightning_roundpipe.runtime.resident import OPTIMIZER_PLACES, place_states
 from lightning_roundpipe.runtime.workers import PipelineAborted
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, StagePlan
 
@@ -109,7 +109,7 @@ class PipelineEngine:
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
         eligible = asynchronous and consistency == "layerwise" and autocast_dtype != torch.float16  # (fp16: scaled)
-        self.resident = ResidentStates.place(
+        self.resident = place_states(
             optimizer_on, self.store, self.devices, eligible, memory_limit, self.planner.transfers
         )
         if self.resident is not None:  # the states on the device, the plan's stages under what is left
@@ -280,6 +280,7 @@ class PipelineEngine:
         self.crew.drain()
         if self.crew.optimizer is not None:
             self.crew.optimizer.wait_math()
+            self.crew.optimizer.groups_to_host()  # what the steps keep in the groups (a step count) reaches them
         self.crew.prune()
         if self.crew.error is not None:
             self.crew.fail()

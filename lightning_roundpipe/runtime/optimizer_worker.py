@@ -13,10 +13,11 @@ barrier, by five edges (paper section 4.3):
    read): one fp32 gradient buffer serves both;
 5. updates run in submission order, on one thread.
 
-The user's optimizer is driven through a *shadow*: the same class and per-parameter state dicts, but
-its own parameter objects (sharing storage with the real ones) and its own ``param_groups`` loaded
-from the hyper-parameters captured at submission. So Lightning's ``zero_grad`` and LR schedulers on
-the main thread never race the worker; checkpoints read the real optimizer's (shared) state.
+The user's optimizer is driven through a *shadow* (:mod:`~lightning_roundpipe.runtime.shadow`): the same
+class, attributes and per-parameter state dicts, but its own parameter objects (sharing storage with the real
+ones) and its own ``param_groups``, which take what the main thread changed at each submission. So Lightning's
+``zero_grad`` and LR schedulers on the main thread never race the worker; checkpoints read the real optimizer's
+(shared) state. An optimizer whose step couples its parameters is stepped once, after the step's last gradient.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.shadow import GroupSync, shadow_optimizer, steps_apart
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 
 if TYPE_CHECKING:
@@ -120,7 +122,7 @@ class OptimizerWorker:
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
-        self._shadows: dict[tuple[int, ...], tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]] = {}
+        self._shadows: dict[tuple[int, ...], Shadow] = {}
         self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
         """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
         self.scales: dict[int, float] = {}
@@ -230,10 +232,15 @@ class OptimizerWorker:
 
     def _math(self, job: UpdateJob) -> None:
         assert job.spec is not None
-        shadow, shadows_of = self._shadow(job.spec.optimizer)
-        for group, hyper in zip(shadow.param_groups, job.spec.hyperparameters):
-            group.update(hyper)
+        shadow = self._shadow(job.spec.optimizer)
+        shadow.sync.apply(job.spec.hyperparameters)
         exchange = self.exchange
+        if exchange is not None and not shadow.apart:
+            raise RuntimeError(
+                f"{type(shadow.optimizer).__name__}'s step couples its parameters (one step of all differs from"
+                " steps of parts), and several nodes each update their own part: use an optimizer whose step"
+                " treats each parameter alone (torch.optim's)"
+            )
         clip_norm = job.spec.clip_value is not None and job.spec.clip_algorithm == "norm"
         coefficient = 1.0
         reduced: set[int] = set()
@@ -245,9 +252,9 @@ class OptimizerWorker:
                 reduced.add(g)
 
         norm = clip_norm or job.spec.measure_norm
-        if norm or job.spec.scaler is not None or exchange is not None:
-            for g in job.groups:  # the global norm needs every gradient of the step (and nodes reduce in order)
-                complete(g)
+        if norm or job.spec.scaler is not None or exchange is not None or not shadow.apart:
+            for g in job.groups:  # the global norm (or one step of all) needs every gradient of the step (and
+                complete(g)  # nodes reduce in order)
         working = 0.0
         skip = False
         if job.spec.scaler is not None:
@@ -265,23 +272,26 @@ class OptimizerWorker:
                 assert job.spec.clip_value is not None
                 coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
             working += time.perf_counter() - start
-        for g in job.groups:
-            complete(g)
-            if skip or (exchange is not None and not exchange.owns(g)):
-                job.consumed[g].set()  # skipped, or another node updates this group (its gradient went there)
-                continue
+        stepped = [g for g in job.groups if not (skip or (exchange is not None and not exchange.owns(g)))]
+        for g in set(job.groups) - set(stepped):
+            job.consumed[g].set()  # skipped, or another node updates this group (its gradient went there)
+        for part in [[g] for g in stepped] if shadow.apart else [stepped]:
+            for g in part:
+                complete(g)
             start = time.perf_counter()
-            grad = self._grad(g)
-            if job.spec.clip_value is not None and job.spec.clip_algorithm == "value":
-                grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
-            elif coefficient < 1.0:
-                grad.mul_(coefficient)
-            self._step_group(shadow, shadows_of, g)
-            job.consumed[g].set()
+            for g in part:
+                grad = self._grad(g)
+                if job.spec.clip_value is not None and job.spec.clip_algorithm == "value":
+                    grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
+                elif coefficient < 1.0:
+                    grad.mul_(coefficient)
+            self._step_groups(shadow, part)
+            for g in part:
+                job.consumed[g].set()
             end = time.perf_counter()
             working += end - start
             if self.trace is not None:
-                self.trace.append(("update", job.step, g, start, end))
+                self.trace.extend(("update", job.step, g, start, end) for g in part)
         if exchange is not None:
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
         self.last_update = (job.step, working)  # one assignment: a reader never pairs two steps
@@ -308,76 +318,44 @@ class OptimizerWorker:
         assert grad is not None
         return grad
 
-    def _step_group(self, shadow: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], g: int) -> None:
-        """Step only this group's parameters: the shadow skips parameters whose gradient is ``None``."""
-        group = self.store.groups[g]
-        grad = self._grad(g)
+    def _step_groups(self, shadow: Shadow, groups: list[int]) -> None:
+        """Step only these groups' parameters: the shadow skips parameters whose gradient is ``None``."""
         stepped = []
-        for p, offset in group.params:
-            sp = shadows_of.get(id(p))
-            if sp is not None:
-                sp.grad = grad[offset : offset + p.numel()].view(p.shape)
-                stepped.append(sp)
+        for g in groups:
+            grad = self._grad(g)
+            for p, offset in self.store.groups[g].params:
+                sp = shadow.shadows_of.get(id(p))
+                if sp is not None:
+                    sp.grad = grad[offset : offset + p.numel()].view(p.shape)
+                    stepped.append(sp)
         if stepped:
-            shadow.step()
+            shadow.optimizer.step()
         for sp in stepped:
             sp.grad = None
 
-    def _shadow(self, optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
+    def _shadow(self, optimizer: torch.optim.Optimizer) -> Shadow:
         # rebuilt if the optimizer's state was replaced (load_state_dict) or groups were added
         key = (id(optimizer), id(optimizer.state), len(optimizer.param_groups))
         if key not in self._shadows:
-            self._shadows = {key: shadow_optimizer(optimizer)}
+            for old in self._shadows.values():
+                if old.sync.real is optimizer and len(old.sync.captured) == len(optimizer.param_groups):
+                    old.sync.to_host()  # groups added: what the steps kept in the groups carries over
+            shadow, shadows_of = shadow_optimizer(optimizer)
+            self._shadows = {key: Shadow(shadow, shadows_of, GroupSync(optimizer, shadow), steps_apart(optimizer))}
         return self._shadows[key]
 
-
-class _SharedState(dict):
-    """The shadow's per-parameter state: the real optimizer's own dicts, looked up on first use only (so
-    parameters the shadow never steps, such as frozen ones, get no state entry at all)."""
-
-    def __init__(self, real_state: dict[Any, Any], real_of: dict[int, nn.Parameter]) -> None:
-        super().__init__()
-        self._real_state = real_state
-        self._real_of = real_of
-
-    def __missing__(self, shadow_param: Any) -> dict[str, Any]:
-        state = self._real_state[self._real_of[id(shadow_param)]]
-        self[shadow_param] = state
-        return state
+    def groups_to_host(self) -> None:
+        """At a flush (no update running): what the steps changed in the shadow's groups, into the real ones."""
+        for shadow in self._shadows.values():
+            shadow.sync.to_host()
 
 
-def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[int, nn.Parameter]]:
-    """A copy of ``optimizer`` over new parameter objects that share storage and per-parameter state.
+@dataclass
+class Shadow:
+    """The user's optimizer as this thread steps it, and how."""
 
-    Returns the shadow and a map from ``id(real parameter)`` to its shadow parameter.
-    """
-    shadows_of: dict[int, nn.Parameter] = {}
-    real_of: dict[int, nn.Parameter] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in shadows_of:
-                sp = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-                shadows_of[id(p)] = sp
-                real_of[id(sp)] = p
-    return optimizer_over(optimizer, shadows_of, _SharedState(optimizer.state, real_of)), shadows_of
-
-
-def optimizer_over(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], state: Any) -> Any:
-    """``optimizer``'s class, hyper-parameters and hooks over the parameters ``shadows_of`` maps the real ones to (by
-    ``id``; those it does not map are left out), with ``state`` as its per-parameter state."""
-    # Every attribute, not only the three torch pickles (what ``copy.copy`` keeps): bitsandbytes' optimizers and
-    # others read their own settings from the instance in ``step``.
-    shadow = object.__new__(type(optimizer))
-    shadow.__dict__.update(optimizer.__dict__)
-    # An LR scheduler wraps ``optimizer.step`` in an instance attribute bound to the real optimizer:
-    # the shadow must call its class's own step.
-    shadow.__dict__.pop("step", None)
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # the user's hooks are the real
-        if hooks in shadow.__dict__:  # step's, not each group's
-            setattr(shadow, hooks, collections.OrderedDict())
-    shadow.param_groups = [
-        {**group, "params": [shadows_of[id(p)] for p in group["params"] if id(p) in shadows_of]}
-        for group in optimizer.param_groups
-    ]
-    shadow.state = state
-    return shadow
+    optimizer: torch.optim.Optimizer
+    shadows_of: dict[int, nn.Parameter]
+    sync: GroupSync
+    apart: bool
+    """Whether its groups may be stepped one by one (:func:`~lightning_roundpipe.runtime.shadow.steps_apart`)."""

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.optimizer_worker import optimizer_over
 from lightning_roundpipe.runtime.profile import TransferRate
+from lightning_roundpipe.runtime.shadow import GroupSync, optimizer_over, steps_apart
 
 OPTIMIZER_PLACES = ("host", "device", "auto")
 AUTO_SHARE = 0.5
@@ -61,6 +61,25 @@ def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTE
             n = group.data.numel()
             total += n * (2 * group.data.element_size() + 2 * group.compute.element_size() + state_bytes_per_parameter)
     return total
+
+
+def place_states(
+    optimizer_on: str,
+    store: HostStore,
+    devices: Any,
+    eligible: bool,
+    memory_limit: float | None,
+    transfers: TransferRate | None = None,
+) -> ResidentStates | None:
+    """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
+    device with one worker device, an engine that could (``eligible``: the asynchronous layerwise optimizer, no
+    fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it."""
+    if optimizer_on == "host":
+        return None
+    fits = memory_limit is not None and resident_bytes(store) <= AUTO_SHARE * memory_limit
+    if optimizer_on == "auto" and not (len(devices) == 1 and eligible and fits):
+        return None
+    return ResidentStates(store, devices[0], transfers)
 
 
 class ResidentStates:
@@ -88,29 +107,9 @@ class ResidentStates:
         stream, so that they come from this block (freed to that stream's cache just before the group's first
         step) and a layer measured meanwhile does not count them in its memory peak."""
         self._key: tuple[Any, ...] | None = None  # the optimizer and its parameter groups the shadow mirrors
+        self._sync: GroupSync | None = None  # the shadow's group values against the optimizer's
+        self._apart = True  # whether its groups may be stepped one by one (shadow.steps_apart)
         self.need = resident_bytes(store)
-
-    @classmethod
-    def place(
-        cls,
-        optimizer_on: str,
-        store: HostStore,
-        devices: Any,
-        eligible: bool,
-        memory_limit: float | None,
-        transfers: TransferRate | None = None,
-    ) -> ResidentStates | None:
-        """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
-        device with one worker device, an engine that could (``eligible``: the asynchronous layerwise optimizer, no
-        fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it."""
-        if optimizer_on == "host":
-            return None
-        if optimizer_on == "auto" and not (
-            len(devices) == 1 and eligible and memory_limit is not None
-            and resident_bytes(store) <= AUTO_SHARE * memory_limit
-        ):  # fmt: skip
-            return None
-        return cls(store, devices[0], transfers)
 
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
@@ -145,12 +144,11 @@ class ResidentStates:
         spec = job.spec
         with self.device.on(self.stream):
             self._use(spec.optimizer)
-        assert self._shadow is not None
-        for group, hyper in zip(self._shadow.param_groups, spec.hyperparameters):
-            group.update(hyper)
+        assert self._shadow is not None and self._sync is not None
+        self._sync.apply(spec.hyperparameters)
         dev, working, coefficient, total = self.device, 0.0, 1.0, None
         clip_norm = spec.clip_value is not None and spec.clip_algorithm == "norm"
-        if clip_norm or spec.measure_norm:
+        if clip_norm or spec.measure_norm or not self._apart:  # (one step of all waits for all gradients too)
             for g in job.groups:
                 job.grads_complete[g].wait()
             start = time.perf_counter()
@@ -160,28 +158,33 @@ class ResidentStates:
             working += time.perf_counter() - start
             if clip_norm:
                 coefficient = min(1.0, spec.clip_value / (total + 1e-6))
-        for g in job.groups:
-            job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
+        for part in [[g] for g in job.groups] if self._apart else [list(job.groups)]:
+            for g in part:
+                job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
             start = time.perf_counter()
             with dev.on(self.stream):
-                if g in self._mirrored:  # the host's copy of the last update has been read out of the master
-                    dev.wait(self.stream, self._mirrored[g])
-                if spec.clip_value is not None and spec.clip_algorithm == "value":
-                    self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
-                elif coefficient < 1.0:
-                    self.grad[g].mul_(coefficient)
-                self._room.pop(g, None)  # its states come from this block, back in this stream's cache
-                self._step_group(g)
-                self.copies[g][job.step % 2].copy_(self.master[g])  # what step k + 2 reads (edges 1 and 2)
+                for g in part:
+                    if g in self._mirrored:  # the host's copy of the last update has been read out of the master
+                        dev.wait(self.stream, self._mirrored[g])
+                    if spec.clip_value is not None and spec.clip_algorithm == "value":
+                        self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
+                    elif coefficient < 1.0:
+                        self.grad[g].mul_(coefficient)
+                    self._room.pop(g, None)  # its states come from this block, back in this stream's cache
+                self._step_groups(part)
+                for g in part:
+                    self.copies[g][job.step % 2].copy_(self.master[g])  # what step k + 2 reads (edges 1 and 2)
             done = dev.record(self.stream)
-            self._mirror(g, done)
+            for g in part:
+                self._mirror(g, done)
             dev.host_wait(done)
-            job.consumed[g].set()  # edge 4: the next step's first write may overwrite the gradient
-            job.cast_done[g].set()
+            for g in part:
+                job.consumed[g].set()  # edge 4: the next step's first write may overwrite the gradient
+                job.cast_done[g].set()
             end = time.perf_counter()
             working += end - start
             if trace is not None:
-                trace.append(("update", job.step, g, start, end))
+                trace.extend(("update", job.step, g, start, end) for g in part)
         self._ahead = True
         return working, total
 
@@ -206,9 +209,9 @@ class ResidentStates:
         for event in list(self._mirrored.values()):
             self.device.wait(self.stream, event)
 
-    def _step_group(self, g: int) -> None:
+    def _step_groups(self, groups: list[int]) -> None:
         assert self._shadow is not None
-        pairs = self._params[g]
+        pairs = [pair for g in groups for pair in self._params[g]]
         for _, sp, grad in pairs:
             sp.grad = grad
         self._shadow.step()
@@ -237,7 +240,10 @@ class ResidentStates:
                     pairs.append((p, sp, self.grad[group.index][span].view(p.shape)))
                 self._params[group.index] = pairs
         shadow = optimizer_over(optimizer, of, collections.defaultdict(dict))
-        self._shadow, self._key = shadow, key
+        if self._sync is not None and self.optimizer is optimizer:
+            self._sync.to_host()  # groups added: what the steps kept in the groups carries over
+        self._shadow, self._key, self._sync = shadow, key, GroupSync(optimizer, shadow)
+        self._apart = steps_apart(optimizer)
         if self.optimizer is optimizer:
             for p, sp, _ in self._pairs():
                 if id(p) in carried:
@@ -282,8 +288,9 @@ class ResidentStates:
             for g in self.groups:
                 self.master[g].copy_(self.store.groups[g].data)
                 self.reads(g, step + 1).copy_(self.master[g])  # the masters hold every update before ``step``
-            if self._shadow is not None:
+            if self._shadow is not None and self._sync is not None:
                 self._states_from_host()
+                self._sync.from_host()
         dev.host_wait(dev.record(self.stream))
         if self.transfers is not None:
             self.transfers.timed(sum(self.reads(g, step).nbytes for g in self.groups), dev.elapsed(start, end))
@@ -317,6 +324,8 @@ class ResidentStates:
             for p, sp, _ in self._pairs():  # into the last flush's host tensors, in place
                 if sp in shadow:
                     state[p] = {k: _into(state.get(p, {}).get(k), v) for k, v in shadow[sp].items()}
+            if self._sync is not None:
+                self._sync.to_host()
         dev.host_wait(dev.record(self.stream))
         self._seen, self._ahead = self._host_view(), False
 
