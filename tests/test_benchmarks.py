@@ -33,6 +33,7 @@ SMOKE = {
                        "--in-process", *TINY],  # dynamo alone: the script's compile path, not AOT's (test_compile)
     "measuring_memory": ["--device", "cpu", "--layers", "3", "--width", "8", "--batch", "64"],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
+    "optimizer_zoo": ["--only", "torch AdamW,torch Rprop", "--steps", "3"],
     "optimizer_overlap": ["--device", "cpu", "--model", "debug", "--seqs", "4", "--micro-batch", "2", "--steps",
                           "2", "--warmup", "1", "--in-process", *TINY],
     "schedules": ["--device", "cpu", "--models", "debug", "--micro-batch", "2", *TINY],

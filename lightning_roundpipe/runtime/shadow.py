@@ -4,9 +4,9 @@ The shadow has the optimizer's class and every instance attribute (bitsandbytes'
 there), the per-parameter state, and parameters that share storage with the masters, so the main thread's
 ``zero_grad`` and LR schedulers never race the update. The engine steps it group by group, as each flat group's
 gradient is complete. Two things an optimizer may keep beyond per-parameter state make that differ from one step
-of all parameters, silently (on the CPU, 2026-12-07, four steps against the staleness-one reference: schedule-free
-AdamW 2.6e-2 relative, pytorch_optimizer's Lamb 1.0e-1, Adan 4.6e-2, AdEMAMix 3.7e-2, SOAP 9.3e-2, Prodigy 1.6e-4;
-torch.optim's and bitsandbytes' within rounding):
+of all parameters, silently (``benchmarks/optimizer_zoo.py``, four steps on the CPU against the staleness-one
+reference, relative to the weights, 2026-12-07: schedule-free AdamW 2.5e-2, pytorch_optimizer's Lamb 1.0e-1, Adan
+4.4e-2, AdEMAMix 3.9e-2, Prodigy 3.5e-5; torch.optim's, bitsandbytes' AdamW8bit and Lion within 4e-8):
 
 - values in its parameter groups that its steps change (a step count, schedule-free's ``k`` and ``weight_sum``,
   Prodigy's ``d``): :class:`GroupSync` gives the shadow, at each update, only what the main thread changed since the
