@@ -209,22 +209,23 @@ def test_lightning_on_gpu_matches_cpu():
 
 
 def async_matches_staleness_one(
-    devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str = "host"
-) -> None:
-    from test_async import staleness_one_reference
+    devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str = "host",
+    kind: str = "adamw",
+) -> None:  # fmt: skip
+    from test_async import make_optimizer, staleness_one_reference
 
     from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 
     model = mlp()
     g = torch.Generator().manual_seed(3)
     data = [[(torch.randn(12, 32, generator=g), torch.randn(12, 8, generator=g))] for _ in range(5)]
-    want = staleness_one_reference(model, data)
+    want = staleness_one_reference(model, data, kind=kind)
     ours = copy.deepcopy(model)
     engine = PipelineEngine(
         list(ours.children()), devices, microbatches_per_round=microbatches, asynchronous=True,
         double_buffer=double_buffer, optimizer_on=optimizer_on,
     )  # fmt: skip
-    opt = torch.optim.AdamW(ours.parameters(), lr=0.05, weight_decay=0.1)
+    opt = make_optimizer(ours.parameters(), kind)
     try:
         for [(x, y)] in data:
             engine.train_batch(x, y, F.mse_loss)
@@ -245,6 +246,33 @@ def test_async_optimizer_on_gpu_equals_staleness_one_reference(double_buffer):
 def test_the_optimizer_on_the_gpu_equals_staleness_one_reference():
     """``optimizer_on="device"``: the states and updates on the GPU, their gates opened after the device's work."""
     async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on="device")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["own", "counted", "global-norm"])
+def test_optimizers_beyond_per_parameter_state_on_the_gpu_equal_the_reference(kind):
+    """Settings kept on the instance, a step count kept in the groups, a step coupling the parameters
+    (runtime/shadow.py), with the states on the GPU: as the CPU tests pin them on the stand-in device."""
+    async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on="device", kind=kind)
+
+
+@pytest.mark.timeout(180)
+def test_bitsandbytes_8bit_adamw_on_the_gpu_moves_as_on_the_host():
+    """``bnb.optim.AdamW8bit`` with its states on the GPU (its CUDA kernels; the step synchronizes the device
+    after every parameter) against the host (its CPU kernels), through Lightning."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    class Eight(BoringPipeline):
+        def configure_optimizers(self):
+            return bnb.optim.AdamW8bit(self.parameters(), lr=1e-2, min_8bit_size=16)
+
+    start = flat_weights(fit(Eight, {"accelerator": "cpu", "devices": 1, "max_steps": 0}))
+    runs = {
+        place: flat_weights(fit(Eight, {"accelerator": "gpu", "devices": 1, "strategy": RoundPipeStrategy(
+            num_microbatches=2, optimizer_on=place)})) - start
+        for place in ("host", "device")
+    }  # fmt: skip
+    assert relative_error(runs["device"], runs["host"]) <= 2e-2  # two kernels' 8-bit rounding, one path
 
 
 @pytest.mark.timeout(120)
