@@ -385,6 +385,8 @@ class HostStepClock:
             f" {device_step_s:.2f} s the devices compute per optimizer step, so the GPUs wait for the host"
             " even with the asynchronous optimizer. Use a fused optimizer kernel (torch's Adam, AdamW, SGD or"
             " Adagrad with `fused` and `foreach` unset or fused=True), train fewer parameters (LoRA), or put"
-            " more tokens into each optimizer step (a larger batch or accumulate_grad_batches).",
+            " more tokens into each optimizer step (a larger batch or accumulate_grad_batches). On one GPU,"
+            " RoundPipeStrategy(optimizer_on='device') steps it there where its states fit (the default 'auto'"
+            " does so for torch.optim's within half of gpu_memory).",
             stacklevel=outside_package(),
         )
