@@ -321,3 +321,47 @@ def test_inputs_of_the_wrong_dtype_name_the_worker_and_the_dtypes():
     with pytest.raises(RuntimeError, match=r"(?i)double.*float|float.*double") as info:
         fit(Doubles, {**CPU, "devices": 2, "strategy": "roundpipe"})
     assert "raised by roundpipe worker" in "".join(getattr(info.value, "__notes__", []))
+
+
+class _FirstLayerFrozen(BoringPipeline):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model[0].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class _Unfreeze(L.Callback):
+    """What Lightning's BackboneFinetuning does at its epoch: the layer trains from here, in a new group."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.model[0].requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.model[0].parameters()), "lr": 1e-2})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_unfreezing_during_training_stops_with_the_way_out_and_a_new_fit_trains_the_layer(async_optimizer):
+    """The engine is built for the parameters trainable when fit starts: a layer unfrozen later kept its weights
+    while plain Lightning trained it (silently, 13% of the layer apart after an epoch). It stops instead, and the
+    way it names (a new fit of the same module) trains it as plain Lightning's two fits do."""
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 2, "callbacks": [_Unfreeze()]}
+    strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=async_optimizer)
+    with pytest.raises(ValueError, match=r"layers \[0\] were frozen or unfrozen .* a new\s+Trainer.fit"):
+        fit(_FirstLayerFrozen, {**kwargs, "strategy": strategy})
+
+    def two_fits(ours: bool) -> torch.nn.Module:
+        extra = lambda: {"strategy": RoundPipeStrategy(num_microbatches=2, async_optimizer=False)} if ours else {}  # noqa: E731
+        module = fit(_FirstLayerFrozen, {"accelerator": "cpu", "devices": 1, "max_epochs": 1, **extra()})
+        module.model[0].requires_grad_(True)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, **extra())  # fmt: skip
+        trainer.fit(module, boring_data())
+        return module
+
+    plain, ours = two_fits(False), two_fits(True)
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    first = lambda m: torch.cat([p.detach().flatten() for p in m.model[0].parameters()])  # noqa: E731
+    assert not torch.equal(first(ours), first(fit(_FirstLayerFrozen, {"accelerator": "cpu", "max_steps": 0})))

@@ -188,6 +188,7 @@ class PipelineEngine:
         of :mod:`~lightning_roundpipe.runtime.optimizer_worker`); a batch after a promised last one is refused."""
         self.crew.check_usable()
         self.steps.check_open()
+        self.store.check_trainable()  # a layer frozen or unfrozen since the engine was built stops here
         if self.resident is not None and self.resident.host_changed():  # a loaded checkpoint, say: take it up
             self.flush()
             self.resident.from_host(self.steps.step)
@@ -279,8 +280,7 @@ class PipelineEngine:
         self.crew.wait_live()
         self.crew.drain()
         if self.crew.optimizer is not None:
-            self.crew.optimizer.wait_math()
-            self.crew.optimizer.groups_to_host()  # what the steps keep in the groups (a step count) reaches them
+            self.crew.optimizer.wait_math()  # (and what the steps keep in the groups, a step count, reaches them)
         self.crew.prune()
         if self.crew.error is not None:
             self.crew.fail()

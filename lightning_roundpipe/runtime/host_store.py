@@ -196,6 +196,23 @@ class HostStore:
                 group.spare.copy_(group.compute)
         return len(stale)
 
+    def check_trainable(self) -> None:
+        """Before a training batch: refuse layers holding a parameter whose ``requires_grad`` is no longer what its
+        group was built for (frozen or unfrozen since), whose gradients, updates and memory were planned for the
+        other; training on would silently keep the old set."""
+        changed = sorted({
+            g.layer for g in self.groups if g.kind != "buffer" for t in g.members
+            if isinstance(t, nn.Parameter) and t.requires_grad != g.trainable
+        })  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"roundpipe: parameters of layers {changed} were frozen or unfrozen (requires_grad changed) after the"
+                " engine was built for training; it keeps training the parameters that were trainable then (their"
+                " gradients, updates and memory are planned for them), so it stops here instead. Set requires_grad"
+                " before Trainer.fit; to unfreeze later (as BackboneFinetuning does), run the next phase as a new"
+                " Trainer.fit of the same module, whose engine is built for the parameters trainable then."
+            )
+
     def groups_of(self, layers: Iterable[int]) -> tuple[int, ...]:
         """Groups a set of layers reads, each once, in layer order (tied tensors may add another layer's)."""
         return tuple(dict.fromkeys(g for i in layers for g in self._layer_groups[i]))

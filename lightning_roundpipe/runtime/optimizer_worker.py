@@ -143,9 +143,11 @@ class OptimizerWorker:
         self._jobs.put(job)
 
     def wait_math(self) -> None:
-        """Wait until every submitted update changed the masters (casts may still be pending)."""
+        """Wait until every submitted update changed the masters (casts may still be pending); then what the
+        steps changed in the shadow's parameter groups (a step count) is in the real optimizer's too."""
         if self._last is not None:
             self._last.math_done.wait()
+        self.groups_to_host()
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job finished, casts included."""
@@ -345,7 +347,7 @@ class OptimizerWorker:
         return self._shadows[key]
 
     def groups_to_host(self) -> None:
-        """At a flush (no update running): what the steps changed in the shadow's groups, into the real ones."""
+        """With no update running: what the steps changed in the shadow's groups, into the real ones."""
         for shadow in self._shadows.values():
             shadow.sync.to_host()
 
