@@ -3,6 +3,9 @@
 Like Lightning's ``DeviceStatsMonitor``, it logs every ``log_every_n_steps`` optimizer steps; it asks
 the engine to time the next batch shortly before, so measuring costs nothing in between. Its files (the
 timeline, the layer costs) need no logger.
+
+``FlushFirst``, which the strategy puts before the user's callbacks: the pending update lands in the weights
+before any callback's ``on_train_epoch_end`` and ``on_train_end`` (Lightning calls the strategy's own hook last).
 """
 
 from __future__ import annotations
@@ -339,3 +342,21 @@ def write_timeline(
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=100)
     plt.close(fig)
+
+
+class FlushFirst(_Callback):  # type: ignore[misc,valid-type]
+    """The pending update into the weights before the other callbacks' epoch and training ends. Without it,
+    Lightning's ``EMAWeightAveraging`` and ``StochasticWeightAveraging`` copied their averages into the module
+    while the last update was still landing (on the host), or before the device's values replaced the module's
+    (``optimizer_on="device"``): the run ended on the plain weights, not the average."""
+
+    def __init__(self, flush: Any) -> None:
+        self._flush = flush
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package, sibling
 from lightning_roundpipe.build import build_engine
+from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.host_optimizer import HostStepClock, check_coupling, check_host_step, use_fused_kernels
@@ -174,6 +175,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             )
         if fitting:  # first: optimizer_on="auto" leaves optimizers other than torch.optim's on the host
             _setup_optimizers(self, trainer)
+            trainer.callbacks.insert(0, FlushFirst(self._flush))  # before the user's epoch and training ends
         self._setup_engine(trainer, training=fitting)
         if fitting:
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
@@ -207,6 +209,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
 
     @override
     def teardown(self) -> None:
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            callbacks = self.lightning_module.trainer.callbacks
+            callbacks[:] = [c for c in callbacks if not isinstance(c, FlushFirst)]
         if self._calls is not None:
             self._calls.uninstall()
             self._calls = None

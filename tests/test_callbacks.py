@@ -202,3 +202,32 @@ def test_timeline_names_its_threads_and_spells_out_each_action(tmp_path):
             "round": int(rnd), "op": ops[rest[0]], "slot": int(slot), "microbatch": int(microbatch),
             "layers": list(stage.layers),
         }  # fmt: skip
+
+
+class _EpochAverage(L.pytorch.callbacks.WeightAveraging):
+    """An average of the weights at each epoch's end (deterministic: no update lands meanwhile)."""
+
+    def should_update(self, step_idx=None, epoch_idx=None):
+        return epoch_idx is not None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("make", [_EpochAverage, lambda: L.pytorch.callbacks.StochasticWeightAveraging(1e-2, 1)])
+def test_weight_averaging_callbacks_end_on_the_average_with_the_states_on_the_host_or_the_device(make):
+    """Lightning calls the callbacks' ``on_train_end`` before the strategy's: the average was copied into the module
+    before the last update landed (host) or before the device's values replaced it (optimizer_on='device', which
+    'auto' picks on one GPU: the run ended on the plain weights, 12-22% away). The strategy's first callback lands
+    the pending update before any other's epoch and training end."""
+    import torch
+    from helpers import fit, flat_weights, relative_error
+
+    runs = {}
+    for place in ("host", "device", None):
+        strategy = RoundPipeStrategy(num_microbatches=2, optimizer_on=place or "host")
+        callbacks = [make()] if place else []
+        module = fit(BoringPipeline, {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": callbacks,
+                                      "strategy": strategy})  # fmt: skip
+        runs[place] = flat_weights(module)
+        assert not any(type(c).__name__ == "FlushFirst" for c in module.trainer.callbacks)  # gone after the fit
+    assert torch.equal(runs["device"], runs["host"])
+    assert relative_error(runs["host"], runs[None]) > 0.05  # the average, not the last weights
