@@ -173,6 +173,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
                 "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
                 f" and let Lightning call the optimizer. {_ONE_OPTIMIZER}"
             )
+        if fitting and self.async_optimizer and _is_overridden("configure_gradient_clipping", self.lightning_module):
+            rank_zero_warn(_OWN_CLIPPING.format(type(self.lightning_module).__name__))
+            self.options = dataclasses.replace(self.options, async_optimizer=False)  # (the hook: main thread)
         if fitting:  # first: optimizer_on="auto" leaves optimizers other than torch.optim's on the host
             _setup_optimizers(self, trainer)
             trainer.callbacks.insert(0, FlushFirst(self._flush))  # before the user's epoch and training ends
@@ -358,6 +361,14 @@ def _setup_optimizers(strategy: Any, trainer: Any) -> None:
             "roundpipe trains with one optimizer, stepped on the host; manual optimization is not supported."
             f" {_ONE_OPTIMIZER}"
         ) from error
+
+
+_OWN_CLIPPING = (
+    "{} overrides configure_gradient_clipping, which clips the gradients on the main thread; the asynchronous"
+    " optimizer applies them on its own thread, where the hook would never be called: this fit uses the"
+    " synchronous optimizer (async_optimizer=False). Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)"
+    " clips on the asynchronous optimizer's thread instead."
+)
 
 
 def _warn_about_gradient_hooks(module: Any) -> None:

@@ -365,3 +365,25 @@ def test_unfreezing_during_training_stops_with_the_way_out_and_a_new_fit_trains_
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
     first = lambda m: torch.cat([p.detach().flatten() for p in m.model[0].parameters()])  # noqa: E731
     assert not torch.equal(first(ours), first(fit(_FirstLayerFrozen, {"accelerator": "cpu", "max_steps": 0})))
+
+
+class _OwnClipping(BoringPipeline):
+    calls = 0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        type(self).calls += 1
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+
+
+@pytest.mark.timeout(120)
+def test_a_module_that_clips_its_own_way_trains_as_with_plain_lightning():
+    """``configure_gradient_clipping`` needs the gradients on the main thread: the asynchronous default never called
+    it (the run trained unclipped, silently). The fit falls back to the synchronous optimizer, saying why."""
+    _OwnClipping.calls = 0
+    plain = fit(_OwnClipping, {"accelerator": "cpu", "devices": 1})
+    steps, _OwnClipping.calls = _OwnClipping.calls, 0
+    with pytest.warns(UserWarning, match="overrides configure_gradient_clipping.*synchronous optimizer"):
+        strategy = RoundPipeStrategy(num_microbatches=2)
+        ours = fit(_OwnClipping, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
+    assert _OwnClipping.calls == steps > 0
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
