@@ -387,3 +387,34 @@ def test_a_module_that_clips_its_own_way_trains_as_with_plain_lightning():
         ours = fit(_OwnClipping, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
     assert _OwnClipping.calls == steps > 0
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+
+
+class _WithBatchNorm(BoringPipeline):
+    def __init__(self, frozen_norm: bool = False) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+        self.frozen_norm = frozen_norm
+        if frozen_norm:  # statistics of a pretrained model, kept as they are
+            self.model[1].running_mean.uniform_(-0.1, 0.1)
+            self.model[1].running_var.uniform_(0.5, 1.5)
+            self.model[1].requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        if self.frozen_norm:
+            self.model[1].eval()
+
+
+@pytest.mark.timeout(120)
+def test_batch_norm_in_training_mode_is_refused_and_frozen_statistics_train_as_plain_lightning():
+    """Batch norms update their running statistics in the forward: the workers did so on device copies that never
+    came back (the module kept its initial statistics, 97% away from plain Lightning's after an epoch, and
+    evaluation used them), and each micro-batch normalised by its own statistics. They are refused in training
+    mode; frozen (eval mode) they train as in plain Lightning."""
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    with pytest.raises(ValueError, match=r"layers \[1\] hold batch norms in training mode"):
+        fit(_WithBatchNorm, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
+    plain = fit(partial(_WithBatchNorm, True), {"accelerator": "cpu", "devices": 1})
+    strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=False)
+    ours = fit(partial(_WithBatchNorm, True), {"accelerator": "cpu", "devices": 1, "strategy": strategy})
+    assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+    assert torch.equal(ours.model[1].running_mean, plain.model[1].running_mean)

@@ -188,7 +188,7 @@ class PipelineEngine:
         of :mod:`~lightning_roundpipe.runtime.optimizer_worker`); a batch after a promised last one is refused."""
         self.crew.check_usable()
         self.steps.check_open()
-        self.store.check_trainable()  # a layer frozen or unfrozen since the engine was built stops here
+        self.store.check_training()  # frozen or unfrozen since the build, or a batch norm updating its statistics
         if self.resident is not None and self.resident.host_changed():  # a loaded checkpoint, say: take it up
             self.flush()
             self.resident.from_host(self.steps.step)

@@ -87,6 +87,10 @@ class HostStore:
         pending: dict[tuple[int, torch.dtype, str], list[Tensor]] = {}
         named: list[list[tuple[str, Tensor]]] = []
         seen: set[int] = set()
+        self._running_statistics = [  # batch norms: a training forward updates their buffers in place
+            (i, m) for i, layer in enumerate(layers) for m in layer.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        ]  # fmt: skip
         for i, layer in enumerate(layers):
             tensors = list(layer.named_parameters(remove_duplicate=False))
             tensors += list(layer.named_buffers(remove_duplicate=False))
@@ -196,10 +200,19 @@ class HostStore:
                 group.spare.copy_(group.compute)
         return len(stale)
 
-    def check_trainable(self) -> None:
+    def check_training(self) -> None:
         """Before a training batch: refuse layers holding a parameter whose ``requires_grad`` is no longer what its
         group was built for (frozen or unfrozen since), whose gradients, updates and memory were planned for the
-        other; training on would silently keep the old set."""
+        other; training on would silently keep the old set. Refuse batch norms in training mode too: the workers
+        update their running statistics on device copies the host never gets back."""
+        if norms := sorted({i for i, m in self._running_statistics if m.training}):
+            raise ValueError(
+                f"roundpipe: layers {norms} hold batch norms in training mode, whose running statistics a forward"
+                " updates in place; the workers run on device copies of them that never come back, and each"
+                " micro-batch would normalise by its own statistics, so evaluation would use the initial ones."
+                " Use LayerNorm or GroupNorm, track_running_stats=False, or keep them in eval mode (frozen"
+                " statistics, as when fine-tuning with them frozen): module.eval() after Lightning's train()."
+            )
         changed = sorted({
             g.layer for g in self.groups if g.kind != "buffer" for t in g.members
             if isinstance(t, nn.Parameter) and t.requires_grad != g.trainable
