@@ -418,3 +418,21 @@ def test_batch_norm_in_training_mode_is_refused_and_frozen_statistics_train_as_p
     ours = fit(partial(_WithBatchNorm, True), {"accelerator": "cpu", "devices": 1, "strategy": strategy})
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
     assert torch.equal(ours.model[1].running_mean, plain.model[1].running_mean)
+
+
+class _SpectralNorm(BoringPipeline):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 16))
+        self.model = nn.Sequential(layer, nn.Tanh(), nn.Linear(16, 4))
+
+
+@pytest.mark.timeout(120)
+def test_a_forward_that_changes_its_buffers_in_place_is_said_once():
+    """Spectral norm's power iteration updates buffers in each training forward; the workers' copies never come
+    back, so the module keeps its first vectors. Not refused (the weights still train), but said, once a layer."""
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    said = r"layer 0's forward changed its buffers \['parametrizations.weight.0._u'"
+    with pytest.warns(UserWarning, match=said) as seen:
+        fit(_SpectralNorm, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
+    assert len([w for w in seen if "changed its buffers" in str(w.message)]) == 1

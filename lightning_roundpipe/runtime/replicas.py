@@ -8,6 +8,7 @@ master tensors.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,10 @@ class Replicas:
             for module in replica.modules():
                 module._roundpipe_replica = str(device.device)
         self._slots_of = [_tensor_slots(replica, refs) for replica, refs in zip(self.modules, layer_tensors)]
+        self._buffers_of = [[slot[0] for slot in slots if slot[1] is not _owner(r, slot[0])._parameters]
+                            for slots, r in zip(self._slots_of, self.modules)]  # fmt: skip
+        """Per layer, its buffers: a forward's in-place change to one stays on the worker's copy."""
+        self._warned: set[int] = set()
 
     def apply(self, attributes: list[list[dict[str, Any]]]) -> None:
         """Give the replicas this batch's :func:`plain_attributes` of the user's modules."""
@@ -72,15 +77,30 @@ class Replicas:
         placeholders put back after (what ``functional_call`` does, without its per-call overhead).
         """
         seed = layer_seed(self.base_seed, call, microbatch, index)
-        slots = self._slots_of[index]
+        slots, buffers = self._slots_of[index], self._buffers_of[index]
         for name, table, attr, _ in slots:
             table[attr] = named[name]
+        versions = [named[name]._version for name in buffers]
         try:
             with self.device.seeded(seed), self.device.autocast(self.autocast_dtype):
-                return self.modules[index](x)
+                out = self.modules[index](x)
         finally:
             for _, table, attr, placeholder in slots:
                 table[attr] = placeholder
+        changed = [name for name, v in zip(buffers, versions) if named[name]._version != v]
+        if changed and index not in self._warned:
+            self._warned.add(index)
+            warnings.warn(
+                f"roundpipe: layer {index}'s forward changed its buffers {changed} in place. The workers run on device"
+                " copies of them, which never come back to the module: it keeps their values from before training"
+                " (running statistics, counters). Plain training would update them.",
+                stacklevel=2,
+            )
+        return out
+
+
+def _owner(replica: nn.Module, name: str) -> nn.Module:
+    return replica.get_submodule(name.rpartition(".")[0])
 
 
 def _tensor_slots(replica: nn.Module, refs: Sequence[Any]) -> list[tuple[str, dict[str, Any], str, Any]]:
