@@ -172,7 +172,7 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
             " so split its blocks into separate children instead"
         )
     sequential = find_pipelined_module(module)
-    return Pipelined(list(sequential.children()), sequential=sequential)
+    return Pipelined(list(sequential), sequential=sequential)  # (children() would drop a module used twice)
 
 
 def find_hf_model(module: nn.Module) -> nn.Module | None:

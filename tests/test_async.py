@@ -726,3 +726,29 @@ def test_the_loss_reaches_the_host_before_the_fused_stages_backward():
     finally:
         gate.set()
         engine.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer_on", ["host", "device"])
+def test_a_module_used_at_several_depths_equals_the_staleness_one_reference(optimizer_on):
+    """One linear layer at three positions of the Sequential (its gradient sums three layers' contributions, which
+    land on one group) and one activation object reused, with the asynchronous optimizer."""
+    torch.manual_seed(0)
+    act, inner = nn.Tanh(), nn.Linear(16, 16)
+    model = nn.Sequential(nn.Linear(8, 16), act, inner, act, inner, act, inner, nn.Linear(16, 4))
+    data = [[(torch.randn(12, 8), torch.randn(12, 4))] for _ in range(4)]
+    want = staleness_one_reference(model, data)
+    ours = copy.deepcopy(model)
+    workers = 1 if optimizer_on == "device" else 2
+    engine = PipelineEngine(list(ours), [WorkerDevice("cpu", i) for i in range(workers)], asynchronous=True,
+                            microbatches_per_round=2, optimizer_on=optimizer_on)  # fmt: skip
+    opt = make_optimizer(ours.parameters())
+    try:
+        for [(x, y)] in data:
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+    got = torch.cat([p.detach().flatten() for p in ours.parameters()])
+    assert (got - want).norm() <= 1e-5 * want.norm()
