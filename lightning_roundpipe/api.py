@@ -32,7 +32,8 @@ def pipeline_loss(
     Return it from ``training_step`` as it is.
 
     Args:
-        model: the ``nn.Sequential`` held by the LightningModule; each child is a layer.
+        model: the ``nn.Sequential`` held by the LightningModule; each entry is a layer (a module it holds twice
+            runs twice, its weights shared, as in the Sequential's own forward).
         inputs: the model input, a tensor or a nest of tensors with the batch dimension first.
         target: what ``loss_fn`` compares the output with, split like ``inputs`` (or ``None``).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``.
