@@ -33,6 +33,8 @@ class Pipelined:
     """The modules whose ``forward`` was compiled (``RoundPipeStrategy(compile=...)``)."""
     four_bit: int = 0
     """bitsandbytes 4-bit layers (QLoRA's base weights) given their worker-side ``forward``."""
+    checkpointing: list[nn.Module] = field(default_factory=list)
+    """The model's modules whose own gradient checkpointing was turned off (on again at :meth:`undo`)."""
     split: Split | None = None
     """How its batches are cut into micro-batches (``None``: by samples; ``RoundPipeStrategy(split_by=...)``)."""
 
@@ -57,6 +59,9 @@ class Pipelined:
         if self.four_bit:
             for layer in self.layers:
                 quantized.remove(layer)
+        for module in self.checkpointing:
+            module.gradient_checkpointing = True
+        self.checkpointing = []
 
 
 def pipelined_layers(
@@ -152,7 +157,7 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
         why = hf.packable(model, layers)  # a flattened batch's sequences are packed where the model takes it
         unpackable = None if why is None else f"this model has {why}, which packed micro-batches do not take"
         split = None if options.split_by == "samples" else hf.TokenSplit.for_model(model, packed, unpackable)
-        return Pipelined(layers, hf_model=hf_model, split=split)
+        return Pipelined(layers, hf_model=hf_model, split=split, checkpointing=_own_checkpointing_off(model))
     if options.kernels == "liger":
         raise ValueError(
             "RoundPipeStrategy(kernels='liger') applies to a Hugging Face model's stages; this model is an"
@@ -173,6 +178,21 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
         )
     sequential = find_pipelined_module(module)
     return Pipelined(list(sequential), sequential=sequential)  # (children() would drop a module used twice)
+
+
+def _own_checkpointing_off(model: nn.Module) -> list[nn.Module]:
+    """The model's own gradient checkpointing (``gradient_checkpointing_enable()``) turned off while roundpipe trains
+    it: each stage is recomputed by roundpipe already, and a layer's own recompute would run after its weights left
+    the worker (a failure on a meta tensor). Returns the modules to turn it on again."""
+    modules = [m for m in model.modules() if m.__dict__.get("gradient_checkpointing") is True]
+    for m in modules:
+        m.gradient_checkpointing = False
+    if modules:
+        rank_zero_info(
+            "roundpipe: the model's own gradient checkpointing is off while it trains here (roundpipe recomputes each"
+            " stage itself); it is on again after fit"
+        )
+    return modules
 
 
 def find_hf_model(module: nn.Module) -> nn.Module | None:

@@ -609,3 +609,25 @@ def test_validation_with_logits_from_the_host_model_when_asked():
     got = L.Trainer(strategy=strategy, devices=2, **kwargs).validate(module, hf_data())[0]
     want = L.Trainer(devices=1, **kwargs).validate(plain_module, hf_data())[0]
     assert got["val_acc"] == pytest.approx(want["val_acc"]) and got["val_loss"] == pytest.approx(want["val_loss"])
+
+
+class CheckpointedHFModule(HFModule):
+    def __init__(self, arch: str = "qwen3", tied: bool = True):
+        super().__init__(arch, tied)
+        self.model.gradient_checkpointing_enable()  # a common memory recipe, written before roundpipe was chosen
+
+
+def test_a_model_with_its_own_gradient_checkpointing_trains_as_plain_lightning():
+    """Its layers' own recompute ran after their weights had left the worker ('not on the expected device meta'):
+    roundpipe recomputes each stage already, so the model's is off while it trains and on again after."""
+    L.seed_everything(0, verbose=False)
+    plain = CheckpointedHFModule()
+    trainer = lambda **kw: L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,  # noqa: E731
+                                     enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
+    trainer(devices=1).fit(plain, hf_data())
+    L.seed_everything(0, verbose=False)
+    ours = CheckpointedHFModule()
+    trainer(devices=2, strategy=RoundPipeStrategy(num_microbatches=3, async_optimizer=False)).fit(ours, hf_data())
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    assert relative_error(flat(ours), flat(plain)) <= 1e-5
+    assert all(layer.gradient_checkpointing for layer in ours.model.model.layers)  # the user's setting is back

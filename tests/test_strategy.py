@@ -457,3 +457,26 @@ def test_a_sequential_that_uses_a_module_twice_trains_as_plain_lightning():
     strategy = RoundPipeStrategy(num_microbatches=2, async_optimizer=False)
     ours = fit(_SharedModules, {"accelerator": "cpu", "devices": 2, "strategy": strategy})
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
+
+
+class _SelfCheckpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.linear(t)), x, use_reentrant=False)
+
+
+class _WithOwnCheckpointing(BoringPipeline):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), _SelfCheckpointed(), nn.Linear(16, 4))
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_that_checkpoints_itself_fails_saying_why():
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    with pytest.raises(RuntimeError, match="device meta") as info:
+        fit(_WithOwnCheckpointing, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
+    assert "roundpipe recomputes each stage itself" in "\n".join(getattr(info.value, "__notes__", []))

@@ -165,7 +165,12 @@ class StageCompute:
                 roots, root_grads = roots_of(x)
             mid = dev.timer(dev.compute) if flight.record else None
             if roots:
-                torch.autograd.backward(roots, root_grads)
+                try:
+                    torch.autograd.backward(roots, root_grads)
+                except RuntimeError as error:
+                    if "device meta" in str(error):  # a layer's own recompute, after its weights left the worker
+                        error.add_note(_OWN_RECOMPUTE)
+                    raise
                 self.slots.loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
             if mark is not None:
@@ -249,6 +254,13 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             return t
 
         super().__init__(pack, lambda t: t)
+
+
+_OWN_RECOMPUTE = (
+    "roundpipe: a layer recomputed its forward in the backward (torch.utils.checkpoint inside the layer) after the"
+    " worker had taken its weights back. roundpipe recomputes each stage itself already: take the checkpointing out"
+    " of the layer (a Hugging Face model's own, gradient_checkpointing_enable(), is turned off for you)."
+)
 
 
 def _differentiable(t: Any) -> bool:
