@@ -358,17 +358,26 @@ def test_through_lightning_the_weights_equal_the_host_optimizers(extra):
 
 
 @pytest.mark.timeout(180)
-def test_through_lightning_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize(("kind", "place"), [("adamw", "device"), ("counted", "device"), ("counted", "host")])
+def test_through_lightning_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, place):
+    """``counted``: a step count kept in the optimizer's groups, which the checkpoint must hold."""
     import lightning as L
     from helpers import BoringPipeline, boring_data, flat_weights
 
     from lightning_roundpipe import RoundPipeStrategy
 
+    class Module(BoringPipeline):
+        def configure_optimizers(self):
+            if kind == "adamw":
+                return super().configure_optimizers()
+            opt = make_optimizer(self.parameters(), kind)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
     def run(epochs: int, where: str, ckpt: str | None = None):
         L.seed_everything(1, verbose=False)
-        module = BoringPipeline(scheduler=True)
+        module = Module(scheduler=True)
         trainer = L.Trainer(
-            strategy=RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", optimizer_on="device"),
+            strategy=RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3", optimizer_on=place),
             accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=[L.pytorch.callbacks.ModelCheckpoint(tmp_path / where, filename="{epoch}", save_top_k=-1)],
