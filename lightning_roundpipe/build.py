@@ -10,6 +10,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.host_optimizer import use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
@@ -89,6 +90,42 @@ def build_engine(
             why = why or _too_big(engine, workers, memory_limit)
             rank_zero_info(f"roundpipe: the optimizer's states in host memory (optimizer_on='auto': {why})")
     return engine
+
+
+def build_again(
+    engine: PipelineEngine,
+    layers: list[nn.Module],
+    devices: list[torch.device],
+    options: RoundPipeOptions,
+    precision: Any,
+    optimizers: Sequence[Any],
+    num_nodes: int,
+) -> PipelineEngine:
+    """Before a training batch after parameters were frozen or unfrozen (Lightning's BackboneFinetuning at an
+    epoch's start): between optimizer steps on one node, the engine built again over the same layers for the
+    parameters trainable now. The pending update lands first; the batch and step counters and the seed carry
+    over; the layers are measured again; and the next step computes on the latest weights (no update pending
+    across the rebuild, where the asynchronous optimizer would otherwise compute one step stale). Elsewhere the
+    engine as it was, which refuses the batch, saying why."""
+    changed = engine.store.changed_trainable()
+    if not changed or num_nodes > 1 or not engine.steps.between_steps():
+        return engine
+    state = engine.state_dict()
+    carried = {k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed", "loss_scales") if k in state}
+    del state  # (its compute copies)
+    engine.close()
+    engine.store.release()  # only the masters stay (they are the parameters): the new store copies them
+    again = build_engine(
+        layers, devices, options, precision.compute_dtype, engine.asynchronous, True, num_nodes,
+        precision.autocast_dtype, optimizers,
+    )  # fmt: skip
+    again.load_state_dict(carried)
+    use_fused_kernels(list(optimizers), calibrate=False)  # a group added for the unfrozen parameters
+    rank_zero_info(
+        f"roundpipe: parameters of layers {changed} were frozen or unfrozen: the engine was built again for the"
+        " parameters trainable now (its layers are measured again)"
+    )
+    return again
 
 
 def _place(

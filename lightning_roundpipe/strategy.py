@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package, sibling
-from lightning_roundpipe.build import build_engine
+from lightning_roundpipe.build import build_again, build_engine
 from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
@@ -226,7 +226,11 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     # ------------------------------------------------------------------ the training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._calls is not None
+        assert self._calls is not None and self.engine is not None
+        self.engine = self._calls.engine = build_again(  # if parameters were frozen or unfrozen (BackboneFinetuning)
+            self.engine, self._calls.pipelined.layers, self.worker_devices, self.options, self.precision_plugin,
+            self.optimizers, self._nodes.count,
+        )  # fmt: skip
         with self._calls.training_step():
             output = super().training_step(*args, **kwargs)
         self._calls.check_output(output)

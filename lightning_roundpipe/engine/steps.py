@@ -84,6 +84,12 @@ class StepChain:
         return self._slot_groups[plan]
 
     # ------------------------------------------------------------------ batches joining a step
+    def between_steps(self) -> bool:
+        """Whether no batch has joined the current optimizer step yet (its gradients hold no batch's)."""
+        if self.asynchronous:
+            return not self.windows[self.step].flights
+        return self.store.fresh_grads == set(self.trainable)
+
     def check_open(self) -> None:
         """Refuse a batch after the one promised to be its step's last."""
         if self.asynchronous and self.windows[self.step].closed.is_set():

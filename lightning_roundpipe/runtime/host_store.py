@@ -200,11 +200,25 @@ class HostStore:
                 group.spare.copy_(group.compute)
         return len(stale)
 
+    def release(self) -> None:
+        """A closed engine's store: its compute copies, spares and gradients dropped, so that a store built anew
+        over the same layers does not hold the host's memory twice (the masters are the parameters' storage)."""
+        for group in self.groups:
+            group.grad = group.spare = None
+            group.compute = group.data
+
+    def changed_trainable(self) -> list[int]:
+        """Layers holding a parameter whose ``requires_grad`` is no longer what its group was built for (frozen or
+        unfrozen since): their gradients, updates and memory were planned for the other."""
+        return sorted({
+            g.layer for g in self.groups if g.kind != "buffer" for t in g.members
+            if isinstance(t, nn.Parameter) and t.requires_grad != g.trainable
+        })  # fmt: skip
+
     def check_training(self) -> None:
-        """Before a training batch: refuse layers holding a parameter whose ``requires_grad`` is no longer what its
-        group was built for (frozen or unfrozen since), whose gradients, updates and memory were planned for the
-        other; training on would silently keep the old set. Refuse batch norms in training mode too: the workers
-        update their running statistics on device copies the host never gets back."""
+        """Before a training batch: refuse :meth:`changed_trainable` layers (training on would silently keep the
+        old set), and batch norms in training mode, whose running statistics the workers update on device copies
+        the host never gets back."""
         if norms := sorted({i for i, m in self._running_statistics if m.training}):
             raise ValueError(
                 f"roundpipe: layers {norms} hold batch norms in training mode, whose running statistics a forward"
@@ -213,17 +227,14 @@ class HostStore:
                 " Use LayerNorm or GroupNorm, track_running_stats=False, or keep them in eval mode (frozen"
                 " statistics, as when fine-tuning with them frozen): module.eval() after Lightning's train()."
             )
-        changed = sorted({
-            g.layer for g in self.groups if g.kind != "buffer" for t in g.members
-            if isinstance(t, nn.Parameter) and t.requires_grad != g.trainable
-        })  # fmt: skip
-        if changed:
+        if changed := self.changed_trainable():
             raise ValueError(
-                f"roundpipe: parameters of layers {changed} were frozen or unfrozen (requires_grad changed) after the"
-                " engine was built for training; it keeps training the parameters that were trainable then (their"
-                " gradients, updates and memory are planned for them), so it stops here instead. Set requires_grad"
-                " before Trainer.fit; to unfreeze later (as BackboneFinetuning does), run the next phase as a new"
-                " Trainer.fit of the same module, whose engine is built for the parameters trainable then."
+                f"roundpipe: parameters of layers {changed} were frozen or unfrozen (requires_grad changed) since the"
+                " engine was built; its gradients, updates and memory are planned for the parameters trainable"
+                " then, so it stops here rather than train the old set. Under Trainer the strategy builds the engine"
+                " again for the new set between optimizer steps on one node (as BackboneFinetuning needs at an"
+                " epoch's start): change requires_grad there, not in the middle of an accumulated step or with"
+                " several nodes, or run the next phase as a new Trainer.fit."
             )
 
     def groups_of(self, layers: Iterable[int]) -> tuple[int, ...]:
