@@ -93,6 +93,17 @@ class GlobalNorm(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"] / float(total))
 
 
+def train_and_close(engine: PipelineEngine, opt: torch.optim.Optimizer, data: list) -> None:
+    """One batch a step of ``data`` through the asynchronous ``engine``, every update landed, then closed."""
+    try:
+        for [(x, y)] in data:
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        engine.flush()
+    finally:
+        engine.close()
+
+
 def make_optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
@@ -742,13 +753,6 @@ def test_a_module_used_at_several_depths_equals_the_staleness_one_reference(opti
     workers = 1 if optimizer_on == "device" else 2
     engine = PipelineEngine(list(ours), [WorkerDevice("cpu", i) for i in range(workers)], asynchronous=True,
                             microbatches_per_round=2, optimizer_on=optimizer_on)  # fmt: skip
-    opt = make_optimizer(ours.parameters())
-    try:
-        for [(x, y)] in data:
-            engine.train_batch(x, y, F.mse_loss)
-            engine.submit_step(UpdateSpec.capture(opt))
-        engine.flush()
-    finally:
-        engine.close()
+    train_and_close(engine, make_optimizer(ours.parameters()), data)
     got = torch.cat([p.detach().flatten() for p in ours.parameters()])
     assert (got - want).norm() <= 1e-5 * want.norm()

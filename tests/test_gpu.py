@@ -212,9 +212,7 @@ def async_matches_staleness_one(
     devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str = "host",
     kind: str = "adamw",
 ) -> None:  # fmt: skip
-    from test_async import make_optimizer, staleness_one_reference
-
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from test_async import make_optimizer, staleness_one_reference, train_and_close
 
     model = mlp()
     g = torch.Generator().manual_seed(3)
@@ -225,14 +223,7 @@ def async_matches_staleness_one(
         list(ours.children()), devices, microbatches_per_round=microbatches, asynchronous=True,
         double_buffer=double_buffer, optimizer_on=optimizer_on,
     )  # fmt: skip
-    opt = make_optimizer(ours.parameters(), kind)
-    try:
-        for [(x, y)] in data:
-            engine.train_batch(x, y, F.mse_loss)
-            engine.submit_step(UpdateSpec.capture(opt))
-        engine.flush()
-    finally:
-        engine.close()
+    train_and_close(engine, make_optimizer(ours.parameters(), kind), data)
     assert relative_error(flat_weights(ours), want) <= 1e-4
 
 
