@@ -4,6 +4,7 @@ every method here does nothing."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
 import sys
@@ -25,6 +26,15 @@ NOTICE_EVERY = 30.0
 """Seconds between the lines a node prints while it waits for the other nodes to join (tests shorten it)."""
 
 
+def _destroy_groups() -> None:
+    """At the process's exit, before the interpreter tears its objects down: the gloo groups destroyed in order.
+    Left to the interpreter's teardown, a busy machine's node sometimes died there ('terminate called without an
+    active exception', SIGABRT after its results were written), and torchrun's agent on the other node then
+    waited at its exit barrier for 300 s."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Nodes:
     """This process's place among the nodes, and the gradient exchange once the engine exists."""
 
@@ -44,6 +54,7 @@ class Nodes:
         with Rendezvous(cluster_environment, rank, self.count, timeout).waiting(NOTICE_EVERY):
             _init_dist_connection(cluster_environment, "gloo", rank, self.count, timeout=timeout)
             self._grad_group = dist.new_group(backend="gloo", timeout=timeout)
+        atexit.register(_destroy_groups)  # (a later call finds them destroyed already)
 
     def join(self, engine: PipelineEngine, asynchronous: bool) -> None:
         """Start from node 0's weights and wire the exchange: the optimizer thread's (asynchronous) or
