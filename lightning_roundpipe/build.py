@@ -10,7 +10,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
-from lightning_roundpipe.host_optimizer import use_fused_kernels
+from lightning_roundpipe.host_optimizer import needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
@@ -140,7 +140,7 @@ def _place(
         return "host", "16-mixed scales its losses on the host optimizer"
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
-        if not type(optimizer).__module__.startswith("torch.optim"):
+        if not type(optimizer).__module__.startswith("torch.optim") and not needs_a_gpu(optimizer):
             return "host", (
                 f"{type(optimizer).__name__} is not one of torch.optim's, whose steps run on a GPU as on the host;"
                 " optimizer_on='device' tries it there"

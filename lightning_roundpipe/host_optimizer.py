@@ -84,11 +84,19 @@ def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str
     return done
 
 
-def check_host_step(optimizers: list[Any]) -> None:
+def needs_a_gpu(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s step fails on a CPU probe as a kernel for GPUs only does (its states can then live
+    only on the GPU: ``optimizer_on="auto"`` puts them there where they fit)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    errors = (_probe_step(optimizer, group) for group in optimizer.param_groups)
+    return any(error is not None and _DEVICE_ERROR.search(str(error)) for error in errors)
+
+
+def check_host_step(optimizers: list[Any], on_device: bool = False) -> None:
     """Refuse, at setup, an optimizer the host step cannot run: one whose ``step`` needs a closure (it would
-    run the pipeline again inside the step), or one whose step fails on a CPU probe shaped like its
-    parameters (a CUDA-only kernel). Without this the first failure would come from the optimizer thread,
-    a step late, or as a divergence."""
+    run the pipeline again inside the step), or, unless its states are on the GPU (``on_device``), one whose step
+    fails on a CPU probe shaped like its parameters (a CUDA-only kernel). Without this the first failure would come
+    from the optimizer thread, a step late, or as a divergence."""
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
         name = type(optimizer).__name__
@@ -101,7 +109,7 @@ def check_host_step(optimizers: list[Any]) -> None:
                 " re-evaluate the loss inside the step. Use a first-order optimizer (torch.optim.AdamW, Adam,"
                 " SGD, Adagrad, RMSprop, ...), or another strategy for this one."
             )
-        for group in optimizer.param_groups:
+        for group in optimizer.param_groups if not on_device else ():
             error = _probe_step(optimizer, group)
             if error is None:
                 continue
@@ -110,7 +118,8 @@ def check_host_step(optimizers: list[Any]) -> None:
                 raise ValueError(
                     f"roundpipe steps the optimizer on the host (CPU), where the master weights live, but {what}. An"
                     " optimizer whose kernels need a GPU cannot run there: use torch.optim.AdamW (its fused CPU"
-                    " kernel is the default) or another CPU-capable optimizer."
+                    " kernel is the default) or another CPU-capable optimizer, or, on one GPU with room for its"
+                    " states, RoundPipeStrategy(optimizer_on='device')."
                 ) from error
             warnings.warn(  # not a device's: it may depend on what the user does before the first step
                 f"roundpipe steps the optimizer on the host (CPU), where the master weights live; {what}. If its"

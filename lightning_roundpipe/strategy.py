@@ -182,7 +182,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self._setup_engine(trainer, training=fitting)
         if fitting:
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
-            check_host_step(self.optimizers)
+            check_host_step(self.optimizers, on_device=self.engine is not None and self.engine.resident is not None)
             if self.async_optimizer:
                 check_coupling(self.optimizers, self._nodes.count)
         self.setup_precision_plugin()

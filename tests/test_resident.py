@@ -579,6 +579,41 @@ def test_the_strategys_reasons_for_the_host(nodes, autocast, optimizer, place):
     assert _place("device", nodes, autocast, [opt]) == ("device", "")  # asked for: the engine refuses or runs it
 
 
+class _CudaOnly(torch.optim.SGD):
+    """An optimizer whose kernels need GPU tensors (a probe on the host's CPU tensors fails as theirs does)."""
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_that_needs_a_gpu_is_left_to_the_device_and_refused_only_where_it_cannot_go(monkeypatch, caplog):
+    """Its states can live only on a GPU: 'auto' does not keep it on the host for being outside torch.optim, and
+    with the states on the device the host's CPU probe does not refuse it; where they cannot go there (CPU workers
+    here), the refusal names optimizer_on='device'."""
+    import lightning as L
+    from helpers import BoringPipeline, fit
+
+    from lightning_roundpipe import RoundPipeStrategy, host_optimizer
+    from lightning_roundpipe.build import _place
+
+    real_probe = host_optimizer._probe_step
+
+    def probe(optimizer, group):
+        if isinstance(optimizer, _CudaOnly):
+            return RuntimeError("the fused kernel takes CUDA tensors only")
+        return real_probe(optimizer, group)
+
+    monkeypatch.setattr(host_optimizer, "_probe_step", probe)
+    assert _place("auto", 1, torch.bfloat16, [_CudaOnly([torch.nn.Parameter(torch.zeros(2))], lr=0.1)]) == ("auto", "")
+
+    class Module(BoringPipeline):
+        def configure_optimizers(self):
+            return _CudaOnly(self.parameters(), lr=0.05)
+
+    with pytest.raises(ValueError, match=r"need a GPU cannot run there: .*optimizer_on='device'"):
+        fit(Module, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(num_microbatches=2)})
+    module = fit(Module, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on="device")})
+    assert isinstance(module, L.LightningModule) and module.trainer.global_step > 0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("place", ["host", "device"])
 def test_the_upload_rate_is_timed_on_what_really_goes_up(monkeypatch, place):
