@@ -85,11 +85,9 @@ def use_fused_kernels(optimizers: list[Any], calibrate: bool = True) -> list[str
 
 
 def needs_a_gpu(optimizer: Any) -> bool:
-    """Whether ``optimizer``'s step fails on a CPU probe as a kernel for GPUs only does (its states can then live
-    only on the GPU: ``optimizer_on="auto"`` puts them there where they fit)."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    errors = (_probe_step(optimizer, group) for group in optimizer.param_groups)
-    return any(error is not None and _DEVICE_ERROR.search(str(error)) for error in errors)
+    """Whether ``optimizer``'s step fails on a CPU probe as a GPU-only kernel does (its states fit only a GPU)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+    return any(_DEVICE_ERROR.search(str(_probe_step(optimizer, g) or "")) for g in optimizer.param_groups)
 
 
 def check_host_step(optimizers: list[Any], on_device: bool = False) -> None:
