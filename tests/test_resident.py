@@ -43,17 +43,17 @@ def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("place", ["host", "device"])
-@pytest.mark.parametrize("kind", ["own", "counted", "global-norm"])
-def test_optimizers_beyond_per_parameter_state_equal_the_reference(place, kind):
+@pytest.mark.parametrize(("kind", "per_step"), [("own", 1), ("counted", 1), ("global-norm", 1), ("counted", 2)])
+def test_optimizers_beyond_per_parameter_state_equal_the_reference(place, kind, per_step):
     """The optimizer thread steps a shadow of the user's optimizer, group by group. It must carry every attribute
     (bitsandbytes' 8-bit optimizers failed at the first update when it carried only torch's pickled three), keep
     what the steps change in the parameter groups (a step count: reloaded from the real groups at every update it
     never advanced), and step at once an optimizer whose step couples its parameters (a global norm, a count per
     call), each silently different from the user's optimizer before (pytorch_optimizer's Lamb 1e-1 relative)."""
-    model, data = mlp(), batches(4)
+    model, data = mlp(), batches(4, per_step)  # (two batches a step: gradient accumulation)
     lrs = [0.05, 0.04, 0.03, 0.02]  # a scheduler's changes still reach the shadow
     want = staleness_one_reference(model, data, kind=kind, lrs=lrs)
-    got, opt = run_async(copy.deepcopy(model), data, 1, kind=kind, lrs=lrs, optimizer_on=place)
+    got, opt = run_async(copy.deepcopy(model), data, 1, kind=kind, lrs=lrs, optimizer_on=place, microbatches_per_round=2)
     assert (got - want).norm() <= 1e-6 * want.norm()
     if kind == "own":
         assert all(set(s) == {"buf"} for s in opt.state.values()) and not opt.initialized  # the real never stepped
