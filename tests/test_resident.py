@@ -53,7 +53,9 @@ def test_optimizers_beyond_per_parameter_state_equal_the_reference(place, kind, 
     model, data = mlp(), batches(4, per_step)  # (two batches a step: gradient accumulation)
     lrs = [0.05, 0.04, 0.03, 0.02]  # a scheduler's changes still reach the shadow
     want = staleness_one_reference(model, data, kind=kind, lrs=lrs)
-    got, opt = run_async(copy.deepcopy(model), data, 1, kind=kind, lrs=lrs, optimizer_on=place, microbatches_per_round=2)
+    got, opt = run_async(
+        copy.deepcopy(model), data, 1, kind=kind, lrs=lrs, optimizer_on=place, microbatches_per_round=2
+    )
     assert (got - want).norm() <= 1e-6 * want.norm()
     if kind == "own":
         assert all(set(s) == {"buf"} for s in opt.state.values()) and not opt.initialized  # the real never stepped
