@@ -113,18 +113,46 @@ def build_again(
     state = engine.state_dict()
     carried = {k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed", "loss_scales") if k in state}
     del state  # (its compute copies)
+    again = _rebuilt(engine, layers, devices, options, precision, optimizers, num_nodes)
+    again.load_state_dict(carried)
+    rank_zero_info(
+        f"roundpipe: parameters of layers {changed} were frozen or unfrozen: the engine was built again for the"
+        " parameters trainable now (its layers are measured again)"
+    )
+    return again
+
+
+def fresh_engine(
+    engine: PipelineEngine,
+    layers: list[nn.Module],
+    devices: list[torch.device],
+    options: RoundPipeOptions,
+    precision: Any,
+    optimizers: Sequence[Any],
+    num_nodes: int,
+) -> PipelineEngine:
+    """Where a checkpoint is loaded into a run whose engine has run batches (Lightning's learning-rate finder
+    restores the checkpoint it saved before its trial steps), a new engine over the same layers, which takes the
+    checkpoint's engine state as at a resume; an engine that has run none as it is."""
+    return engine if not engine.calls else _rebuilt(engine, layers, devices, options, precision, optimizers, num_nodes)
+
+
+def _rebuilt(
+    engine: PipelineEngine,
+    layers: list[nn.Module],
+    devices: list[torch.device],
+    options: RoundPipeOptions,
+    precision: Any,
+    optimizers: Sequence[Any],
+    num_nodes: int,
+) -> PipelineEngine:
     engine.close()
     engine.store.release()  # only the masters stay (they are the parameters): the new store copies them
     again = build_engine(
         layers, devices, options, precision.compute_dtype, engine.asynchronous, True, num_nodes,
         precision.autocast_dtype, optimizers,
     )  # fmt: skip
-    again.load_state_dict(carried)
     use_fused_kernels(list(optimizers), calibrate=False)  # a group added for the unfrozen parameters
-    rank_zero_info(
-        f"roundpipe: parameters of layers {changed} were frozen or unfrozen: the engine was built again for the"
-        " parameters trainable now (its layers are measured again)"
-    )
     return again
 
 
@@ -160,3 +188,24 @@ def _too_big(engine: PipelineEngine, workers: list[WorkerDevice], memory_limit: 
         f"their {need / 2**30:.1f} GiB are more than {AUTO_SHARE:.0%} of the {memory_limit / 2**30:.1f} GiB"
         " gpu_memory allows"
     )
+
+
+ONE_OPTIMIZER = (
+    "For several optimizers, put the parameters in groups of one optimizer, each group with its own settings, e.g."
+    " torch.optim.AdamW([{'params': body.parameters(), 'lr': 1e-5}, {'params': head.parameters(), 'lr': 1e-3}]);"
+    " a scheduler then schedules every group (LambdaLR takes one function per group)."
+)
+
+
+def setup_optimizers(strategy: Any, trainer: Any) -> None:
+    """Lightning's optimizers; where it refuses several, what to do under roundpipe (its own message points to
+    manual optimization, which roundpipe does not support: the host steps one optimizer for every parameter)."""
+    try:
+        strategy.setup_optimizers(trainer)
+    except RuntimeError as error:
+        if "multiple optimizers" not in str(error):
+            raise
+        raise ValueError(
+            "roundpipe trains with one optimizer, stepped on the host; manual optimization is not supported."
+            f" {ONE_OPTIMIZER}"
+        ) from error

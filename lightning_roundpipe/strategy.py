@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package, sibling
-from lightning_roundpipe.build import build_again, build_engine
+from lightning_roundpipe.build import ONE_OPTIMIZER, build_again, build_engine, fresh_engine, setup_optimizers
 from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
@@ -149,7 +149,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         if self.engine is not None:
             self._nodes.keep_own_states(self.optimizers, self.engine)
             if "roundpipe" in checkpoint:
-                self.engine.load_state_dict(checkpoint["roundpipe"])
+                _load_engine_state(self, checkpoint["roundpipe"])
 
     @property
     @override
@@ -171,13 +171,13 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         if fitting and not self.lightning_module.automatic_optimization:
             raise ValueError(
                 "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
-                f" and let Lightning call the optimizer. {_ONE_OPTIMIZER}"
+                f" and let Lightning call the optimizer. {ONE_OPTIMIZER}"
             )
         if fitting and self.async_optimizer and _is_overridden("configure_gradient_clipping", self.lightning_module):
             rank_zero_warn(_OWN_CLIPPING.format(type(self.lightning_module).__name__))
             self.options = dataclasses.replace(self.options, async_optimizer=False)  # (the hook: main thread)
         if fitting:  # first: optimizer_on="auto" leaves optimizers other than torch.optim's on the host
-            _setup_optimizers(self, trainer)
+            setup_optimizers(self, trainer)
             trainer.callbacks.insert(0, FlushFirst(self._flush))  # before the user's epoch and training ends
         self._setup_engine(trainer, training=fitting)
         if fitting:
@@ -227,10 +227,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._calls is not None and self.engine is not None
-        self.engine = self._calls.engine = build_again(  # if parameters were frozen or unfrozen (BackboneFinetuning)
-            self.engine, self._calls.pipelined.layers, self.worker_devices, self.options, self.precision_plugin,
-            self.optimizers, self._nodes.count,
-        )  # fmt: skip
+        # a new engine if parameters were frozen or unfrozen between steps (BackboneFinetuning)
+        self.engine = self._calls.engine = build_again(self.engine, *_engine_arguments(self))
         with self._calls.training_step():
             output = super().training_step(*args, **kwargs)
         self._calls.check_output(output)
@@ -346,27 +344,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             )
 
 
-_ONE_OPTIMIZER = (
-    "For several optimizers, put the parameters in groups of one optimizer, each group with its own settings, e.g."
-    " torch.optim.AdamW([{'params': body.parameters(), 'lr': 1e-5}, {'params': head.parameters(), 'lr': 1e-3}]);"
-    " a scheduler then schedules every group (LambdaLR takes one function per group)."
-)
-
-
-def _setup_optimizers(strategy: Any, trainer: Any) -> None:
-    """Lightning's optimizers; where it refuses several, what to do under roundpipe (its own message points to
-    manual optimization, which roundpipe does not support: the host steps one optimizer for every parameter)."""
-    try:
-        strategy.setup_optimizers(trainer)
-    except RuntimeError as error:
-        if "multiple optimizers" not in str(error):
-            raise
-        raise ValueError(
-            "roundpipe trains with one optimizer, stepped on the host; manual optimization is not supported."
-            f" {_ONE_OPTIMIZER}"
-        ) from error
-
-
 _OWN_CLIPPING = (
     "{} overrides configure_gradient_clipping, which clips the gradients on the main thread; the asynchronous"
     " optimizer applies them on its own thread, where the hook would never be called: this fit uses the"
@@ -384,6 +361,22 @@ def _warn_about_gradient_hooks(module: Any) -> None:
             " RoundPipeStrategy(async_optimizer=True) gradients are applied on a host thread one step later"
             " and `p.grad` is None in these hooks. Use async_optimizer=False to inspect gradients there."
         )
+
+
+def _engine_arguments(strategy: Any) -> tuple[Any, ...]:
+    """What :mod:`~lightning_roundpipe.build` builds an engine again from, besides the old engine."""
+    layers, precision = strategy._calls.pipelined.layers, strategy.precision_plugin
+    return layers, strategy.worker_devices, strategy.options, precision, strategy.optimizers, strategy._nodes.count
+
+
+def _load_engine_state(strategy: Any, state: dict[str, Any]) -> None:
+    """A checkpoint's engine state; mid-run (the learning-rate finder restores the checkpoint it saved before its
+    trial steps) on a new engine, as at a resume."""
+    ran = strategy.engine
+    strategy.engine = strategy._calls.engine = fresh_engine(ran, *_engine_arguments(strategy))
+    if strategy.engine is not ran:
+        strategy._nodes.join(strategy.engine, strategy.engine.asynchronous)
+    strategy.engine.load_state_dict(state)
 
 
 def _lightning_steps_after(module: Any) -> bool:

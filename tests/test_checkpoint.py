@@ -188,3 +188,38 @@ def test_checkpoint_files_follow_the_umask_as_plain_lightnings_do(tmp_path):
         os.umask(old)
     assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "b.ckpt").stat().st_mode & 0o777 == 0o640
+
+
+class _Tunable(BoringPipeline):
+    def __init__(self) -> None:
+        super().__init__()
+        self.learning_rate = 1e-3
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+@pytest.mark.timeout(180)
+def test_the_learning_rate_finder_restores_the_run_and_the_fit_after_it_equals_plain_lightnings():
+    """Lightning's learning-rate finder saves a checkpoint, runs trial steps, then loads the checkpoint into the same
+    fit: the engine, which had run batches, refused its state ('load the roundpipe engine state before the first
+    batch'). A new engine takes it now, as at a resume."""
+    from lightning.pytorch.tuner import Tuner
+
+    def run(strategy):
+        L.seed_everything(1, verbose=False)
+        module = _Tunable()
+        before = flat_weights(module).clone()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            **({} if strategy is None else {"strategy": strategy}))  # fmt: skip
+        found = Tuner(trainer).lr_find(module, train_dataloaders=boring_data(samples=480), num_training=12)
+        assert torch.equal(flat_weights(module), before)  # the trial steps were undone
+        trainer.fit(module, boring_data())
+        return found.suggestion(), flat_weights(module)
+
+    plain = run(None)
+    ours = run(RoundPipeStrategy(num_microbatches=2, async_optimizer=False))
+    assert ours[0] == plain[0] and relative_error(ours[1], plain[1]) <= 1e-5
+    for place in ("host", "device"):  # the asynchronous optimizer, its states on the host or the device: restored
+        run(RoundPipeStrategy(num_microbatches=2, optimizer_on=place))
