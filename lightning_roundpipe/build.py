@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,15 +93,19 @@ def build_engine(
     return engine
 
 
-def build_again(
-    engine: PipelineEngine,
-    layers: list[nn.Module],
-    devices: list[torch.device],
-    options: RoundPipeOptions,
-    precision: Any,
-    optimizers: Sequence[Any],
-    num_nodes: int,
-) -> PipelineEngine:
+@dataclass
+class EngineArguments:
+    """What an engine is built again from (:func:`build_again`, :func:`fresh_engine`), besides the old engine."""
+
+    layers: list[nn.Module]
+    devices: list[torch.device]
+    options: RoundPipeOptions
+    precision: Any
+    optimizers: Sequence[Any]
+    num_nodes: int
+
+
+def build_again(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:
     """Before a training batch after parameters were frozen or unfrozen (Lightning's BackboneFinetuning at an
     epoch's start): between optimizer steps on one node, the engine built again over the same layers for the
     parameters trainable now. The pending update lands first; the batch and step counters and the seed carry
@@ -108,12 +113,12 @@ def build_again(
     across the rebuild, where the asynchronous optimizer would otherwise compute one step stale). Elsewhere the
     engine as it was, which refuses the batch, saying why."""
     changed = engine.store.changed_trainable()
-    if not changed or num_nodes > 1 or not engine.steps.between_steps():
+    if not changed or arguments.num_nodes > 1 or not engine.steps.between_steps():
         return engine
     state = engine.state_dict()
     carried = {k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed", "loss_scales") if k in state}
     del state  # (its compute copies)
-    again = _rebuilt(engine, layers, devices, options, precision, optimizers, num_nodes)
+    again = _rebuilt(engine, arguments)
     again.load_state_dict(carried)
     rank_zero_info(
         f"roundpipe: parameters of layers {changed} were frozen or unfrozen: the engine was built again for the"
@@ -122,37 +127,22 @@ def build_again(
     return again
 
 
-def fresh_engine(
-    engine: PipelineEngine,
-    layers: list[nn.Module],
-    devices: list[torch.device],
-    options: RoundPipeOptions,
-    precision: Any,
-    optimizers: Sequence[Any],
-    num_nodes: int,
-) -> PipelineEngine:
+def fresh_engine(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:
     """Where a checkpoint is loaded into a run whose engine has run batches (Lightning's learning-rate finder
     restores the checkpoint it saved before its trial steps), a new engine over the same layers, which takes the
     checkpoint's engine state as at a resume; an engine that has run none as it is."""
-    return engine if not engine.calls else _rebuilt(engine, layers, devices, options, precision, optimizers, num_nodes)
+    return engine if not engine.calls else _rebuilt(engine, arguments)
 
 
-def _rebuilt(
-    engine: PipelineEngine,
-    layers: list[nn.Module],
-    devices: list[torch.device],
-    options: RoundPipeOptions,
-    precision: Any,
-    optimizers: Sequence[Any],
-    num_nodes: int,
-) -> PipelineEngine:
+def _rebuilt(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:
     engine.close()
     engine.store.release()  # only the masters stay (they are the parameters): the new store copies them
+    precision = arguments.precision
     again = build_engine(
-        layers, devices, options, precision.compute_dtype, engine.asynchronous, True, num_nodes,
-        precision.autocast_dtype, optimizers,
+        arguments.layers, arguments.devices, arguments.options, precision.compute_dtype, engine.asynchronous, True,
+        arguments.num_nodes, precision.autocast_dtype, arguments.optimizers,
     )  # fmt: skip
-    use_fused_kernels(list(optimizers), calibrate=False)  # a group added for the unfrozen parameters
+    use_fused_kernels(list(arguments.optimizers), calibrate=False)  # a group added for the unfrozen parameters
     return again
 
 

@@ -22,7 +22,14 @@ from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_roundpipe._flavor import lightning_package, sibling
-from lightning_roundpipe.build import ONE_OPTIMIZER, build_again, build_engine, fresh_engine, setup_optimizers
+from lightning_roundpipe.build import (
+    ONE_OPTIMIZER,
+    EngineArguments,
+    build_again,
+    build_engine,
+    fresh_engine,
+    setup_optimizers,
+)
 from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
@@ -228,7 +235,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._calls is not None and self.engine is not None
         # a new engine if parameters were frozen or unfrozen between steps (BackboneFinetuning)
-        self.engine = self._calls.engine = build_again(self.engine, *_engine_arguments(self))
+        self.engine = self._calls.engine = build_again(self.engine, _engine_arguments(self))
         with self._calls.training_step():
             output = super().training_step(*args, **kwargs)
         self._calls.check_output(output)
@@ -363,17 +370,18 @@ def _warn_about_gradient_hooks(module: Any) -> None:
         )
 
 
-def _engine_arguments(strategy: Any) -> tuple[Any, ...]:
-    """What :mod:`~lightning_roundpipe.build` builds an engine again from, besides the old engine."""
-    layers, precision = strategy._calls.pipelined.layers, strategy.precision_plugin
-    return layers, strategy.worker_devices, strategy.options, precision, strategy.optimizers, strategy._nodes.count
+def _engine_arguments(strategy: Any) -> EngineArguments:
+    return EngineArguments(
+        strategy._calls.pipelined.layers, strategy.worker_devices, strategy.options, strategy.precision_plugin,
+        strategy.optimizers, strategy._nodes.count,
+    )  # fmt: skip
 
 
 def _load_engine_state(strategy: Any, state: dict[str, Any]) -> None:
     """A checkpoint's engine state; mid-run (the learning-rate finder restores the checkpoint it saved before its
     trial steps) on a new engine, as at a resume."""
     ran = strategy.engine
-    strategy.engine = strategy._calls.engine = fresh_engine(ran, *_engine_arguments(strategy))
+    strategy.engine = strategy._calls.engine = fresh_engine(ran, _engine_arguments(strategy))
     if strategy.engine is not ran:
         strategy._nodes.join(strategy.engine, strategy.engine.asynchronous)
     strategy.engine.load_state_dict(state)
