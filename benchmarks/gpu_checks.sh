@@ -36,6 +36,7 @@
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
 #        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default) mirror (the masters' copy to the host)
+#        bnb8 (bitsandbytes' AdamW8bit on the host and on the GPU, against torch's AdamW)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
@@ -257,6 +258,13 @@ for step in "${steps[@]}"; do
       # each other (6.9 GB a step over the otherwise idle device-to-host link, about 0.14 s beside a 0.41 s step)
       run mirror 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-nomirror --warmup 10 --steps 8 --config-timeout 150 --out "$OUT/mirror.json" ;;
+    bnb8)  # bitsandbytes' AdamW8bit, as QLoRA recipes write it, on a full fine-tune at 8 a step: every default (the
+      # host, its CPU kernels) against its states on the GPU (its CUDA kernels, a device sync per parameter) and
+      # torch's AdamW with every default. Expected: the host far slower (its CPU step took 15x torch's fused AdamW on
+      # the CPU machine); the device within 20% of AdamW's if its per-parameter syncs overlap. About 450 s
+      run bnb8 590 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer-bnb8-device,newcomer,newcomer-bnb8 --warmup 10 --steps 6 --config-timeout 180 \
+        --out "$OUT/bnb8.json" ;;
     defaults-rest)  # the new default elsewhere: fixed 32 x 2048 on the full card (expected 49.5-51k, as
       # newcomer-devopt's 50,502), 32 a step of the varlen data (expected above the host's 41,377), and 8 a step at
       # 24 GiB, where the 32 GiB of states do not fit and "auto" keeps the host (expected 15-21k as before). About 330 s

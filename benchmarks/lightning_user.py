@@ -50,6 +50,10 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-hostopt``: ``RoundPipeStrategy(optimizer_on="host")``: the states and the step in host memory (the
   default before 2026-12-04, and still where they do not fit); ``newcomer-sgd``, ``newcomer-noop`` and
   ``newcomer-hostN`` are experiments on this host step and use it too;
+- ``newcomer-bnb8``: ``bnb.optim.AdamW8bit(self.parameters(), lr=1e-5)`` with every default (``"auto"`` keeps an
+  optimizer from outside torch.optim on the host, where bitsandbytes runs its CPU kernels); ``newcomer-bnb8-device``:
+  the same with ``optimizer_on="device"`` (its CUDA kernels; its step synchronizes the device after every
+  parameter). What the host path costs such users, and whether "auto" should put them on the GPU;
 - ``newcomer-noop``: an optimizer whose step does nothing (the host's math gone, its casts and the transfers left:
   what the devices and the rest of the host's work give);
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
@@ -246,6 +250,7 @@ class LM(L.LightningModule):
         self.fused, self.deepspeed = fused, deepspeed
         self.sgd = False
         self.noop = False
+        self.bnb8 = False
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -262,6 +267,10 @@ class LM(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=1e-5)
         if self.noop:  # an experiment: no host math at all
             return _NoStep(self.parameters())
+        if self.bnb8:  # as QLoRA recipes write it: bitsandbytes' 8-bit AdamW (its CPU kernels on the host)
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(self.parameters(), lr=1e-5)
         if self.fused:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, fused=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
@@ -409,8 +418,10 @@ def strategy_for(
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
         return RoundPipeStrategy(optimizer_on="host"), False  # experiments on the host optimizer's step
-    if config == "newcomer-devopt":
+    if config in ("newcomer-devopt", "newcomer-bnb8-device"):
         return RoundPipeStrategy(optimizer_on="device"), False
+    if config == "newcomer-bnb8":  # what "auto" does with an optimizer from outside torch.optim
+        return "roundpipe", False
     if config == "newcomer-nokernels":
         return RoundPipeStrategy(kernels="none"), False
     if config == "newcomer-generic":
@@ -439,6 +450,7 @@ def strategy_for(
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-devopt, newcomer-hostopt, newcomer-noop,"
+        " newcomer-bnb8, newcomer-bnb8-device,"
         " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -482,6 +494,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     module = LM(model, fused=fused, deepspeed=deepspeed)
     module.sgd = args.run == "newcomer-sgd"
     module.noop = args.run == "newcomer-noop"
+    module.bnb8 = args.run.startswith("newcomer-bnb8")
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
