@@ -11,6 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_optimizer import needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
@@ -115,9 +116,9 @@ def build_again(engine: PipelineEngine, arguments: EngineArguments) -> PipelineE
     changed = engine.store.changed_trainable()
     if not changed or arguments.num_nodes > 1 or not engine.steps.between_steps():
         return engine
-    state = engine.state_dict()
+    engine.flush()
+    state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
     carried = {k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed", "loss_scales") if k in state}
-    del state  # (its compute copies)
     again = _rebuilt(engine, arguments)
     again.load_state_dict(carried)
     rank_zero_info(

@@ -29,7 +29,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_roundpipe.runtime.callers import outside_package
-from lightning_roundpipe.runtime.shadow import steps_apart
+from lightning_roundpipe.runtime.shadow import constructor_settings, steps_apart
 
 CALIBRATION_ELEMENTS = 1 << 22
 """Parameters of the scratch tensor an explicit choice's cost is measured on (16 MiB in fp32)."""
@@ -227,8 +227,7 @@ def _refuse_disagreeing_kernel(optimizer: torch.optim.Optimizer) -> set[int]:
 
 def _settings(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
     """The group's settings its class's constructor takes, without the parameters and the kernel choice."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "foreach")}
+    return constructor_settings(type(optimizer), group)
 
 
 def _key(settings: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

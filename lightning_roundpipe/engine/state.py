@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from lightning_roundpipe.engine.pipeline import PipelineEngine
 
 
-def engine_state(engine: PipelineEngine) -> dict[str, Any]:
-    """The state to save; call after a flush and once early casts settled."""
+def engine_state(engine: PipelineEngine, compute: bool = True) -> dict[str, Any]:
+    """The state to save; call after a flush and once early casts settled (``compute=False``: without the compute
+    copies a pending update needs, for an engine built again over the same layers)."""
     planner, steps = engine.planner, engine.steps
     plan, count, limit = engine.caches.settled()  # mid-trial: the plan before the one on trial
     state: dict[str, Any] = {
@@ -46,7 +47,7 @@ def engine_state(engine: PipelineEngine) -> dict[str, Any]:
     optimizer = engine.crew.optimizer
     if optimizer is not None and optimizer.scales:  # 16-mixed: the scales the next two steps use
         state["loss_scales"] = {k: v for k, v in optimizer.scales.items() if k >= steps.step - 2}
-    if steps.asynchronous and steps.pending_casts():
+    if compute and steps.asynchronous and steps.pending_casts():
         stash = engine.evaluator.stash or {}  # saved during validation: the copies set aside are the ones
         state["compute"] = {
             g: (stash[g] if g in stash else engine.store.reads(g, steps.step)).clone() for g in steps.trainable

@@ -87,8 +87,10 @@ class Replicas:
         finally:
             for _, table, attr, placeholder in slots:
                 table[attr] = placeholder
+        if not buffers or index in self._warned:
+            return out
         changed = [name for name, v in zip(buffers, versions) if named[name]._version != v]
-        if changed and index not in self._warned:
+        if changed:
             self._warned.add(index)
             warnings.warn(
                 f"roundpipe: layer {index}'s forward changed its buffers {changed} in place. The workers run on device"

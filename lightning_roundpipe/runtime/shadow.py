@@ -145,8 +145,7 @@ def _apart_for(cls: type, key: tuple[tuple[str, Any], ...], shapes: tuple[tuple[
     """The probe of :func:`steps_apart` for one group's values, on parameters shaped like its first two (at most
     6 along each dimension: a matrix-only optimizer gets matrices)."""
     values = dict(key)
-    accepted = inspect.signature(cls.__init__).parameters
-    settings = {k: v for k, v in values.items() if k in accepted and k not in ("fused", "foreach")}
+    settings = constructor_settings(cls, values)
     if isinstance(settings.get("lr"), (int, float)) and settings["lr"] == 0:
         settings["lr"] = PROBE_LR
     g = torch.Generator().manual_seed(0)
@@ -170,6 +169,12 @@ def _apart_for(cls: type, key: tuple[tuple[str, Any], ...], shapes: tuple[tuple[
     together, parts = moved
     scale = float(together.norm())
     return scale > 0 and float((together - parts).norm()) <= APART_TOLERANCE * scale
+
+
+def constructor_settings(cls: type, group: dict[str, Any]) -> dict[str, Any]:
+    """The group's values ``cls``'s constructor takes, without the parameters and the kernel choice."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in group.items() if k in accepted and k not in ("params", "fused", "foreach")}
 
 
 def _key(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
