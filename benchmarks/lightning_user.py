@@ -56,6 +56,10 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   parameter). What the host path costs such users, and whether "auto" should put them on the GPU;
 - ``newcomer-noop``: an optimizer whose step does nothing (the host's math gone, its casts and the transfers left:
   what the devices and the rest of the host's work give);
+- ``newcomer-skipF-gmG``: the host optimizer, AdamW's math skipped for the deepest share ``F`` of the parameters
+  (their casts and transfers left), and the plan sized for ``gpu_memory=G``: what keeping that share's states on
+  the GPU (20 bytes a parameter, taken from the plan's limit) could give where they do not all fit, before
+  building it (an experiment: it moves more bytes than the real thing would, and none on the GPU's side);
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
   or of ``--gpu-gib``, through ``torch.cuda.set_per_process_memory_fraction``; ``gpu_memory=1.0`` of that), so that
   the reserve cannot grow past the plan's limit: past it torch frees cached blocks first (an experiment);
@@ -251,6 +255,7 @@ class LM(L.LightningModule):
         self.sgd = False
         self.noop = False
         self.bnb8 = False
+        self.skip = 0.0
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -267,6 +272,11 @@ class LM(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=1e-5)
         if self.noop:  # an experiment: no host math at all
             return _NoStep(self.parameters())
+        if self.skip:  # an experiment: the deepest share's math skipped (as if its states were on the GPU)
+            params, kept, total = list(self.parameters()), 0, sum(p.numel() for p in self.parameters())
+            while kept < len(params) and sum(p.numel() for p in params[kept:]) > self.skip * total:
+                kept += 1
+            return _SkipMath([{"params": params[:kept]}, {"params": params[kept:], "skip": True}], lr=1e-5)
         if self.bnb8:  # as QLoRA recipes write it: bitsandbytes' 8-bit AdamW (its CPU kernels on the host)
             import bitsandbytes as bnb
 
@@ -418,6 +428,9 @@ def strategy_for(
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
         return RoundPipeStrategy(optimizer_on="host"), False  # experiments on the host optimizer's step
+    if config.startswith("newcomer-skip"):  # newcomer-skipF-gmG
+        share = float(config.partition("-gm")[2] or 0.8)
+        return RoundPipeStrategy(optimizer_on="host", gpu_memory=share), False
     if config in ("newcomer-devopt", "newcomer-bnb8-device"):
         return RoundPipeStrategy(optimizer_on="device"), False
     if config == "newcomer-bnb8":  # what "auto" does with an optimizer from outside torch.optim
@@ -450,7 +463,7 @@ def strategy_for(
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-devopt, newcomer-hostopt, newcomer-noop,"
-        " newcomer-bnb8, newcomer-bnb8-device,"
+        " newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG,"
         " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -495,6 +508,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     module.sgd = args.run == "newcomer-sgd"
     module.noop = args.run == "newcomer-noop"
     module.bnb8 = args.run.startswith("newcomer-bnb8")
+    if args.run.startswith("newcomer-skip"):
+        module.skip = float(args.run.removeprefix("newcomer-skip").partition("-gm")[0])
     parameters = num_parameters(model)
     steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     per_batch = args.micro_batch if plain else args.seqs
@@ -808,6 +823,18 @@ class _NoStep(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:
         return None
+
+
+class _SkipMath(torch.optim.AdamW):
+    """``newcomer-skipF-gmG``: AdamW whose groups marked ``skip`` are left as they are."""
+
+    def step(self, closure: Any = None) -> None:
+        groups = self.param_groups
+        self.param_groups = [group for group in groups if not group.get("skip")]
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = groups
 
 
 class _Remember(L.Callback):
