@@ -17,6 +17,7 @@ from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
 from lightning_roundpipe.runtime.resident import AUTO_SHARE, resident_bytes
+from lightning_roundpipe.runtime.shadow import wrapped_optimizer
 
 
 def worker_devices(devices: list[torch.device]) -> list[WorkerDevice]:
@@ -200,3 +201,26 @@ def setup_optimizers(strategy: Any, trainer: Any) -> None:
             "roundpipe trains with one optimizer, stepped on the host; manual optimization is not supported."
             f" {ONE_OPTIMIZER}"
         ) from error
+
+
+def needs_main_thread(module: Any, optimizers: list[Any], is_overridden: Any) -> str | None:
+    """Why this fit must step the optimizer on the main thread (the synchronous optimizer), said as a warning,
+    else ``None``: a hook the asynchronous optimizer's thread would never call (``is_overridden``: Lightning's,
+    of the strategy's flavour), or an optimizer its thread cannot shadow."""
+    if is_overridden("configure_gradient_clipping", module):
+        return (
+            f"{type(module).__name__} overrides configure_gradient_clipping, which clips the gradients on the main"
+            " thread; the asynchronous optimizer applies them on its own thread, where the hook would never be"
+            " called: this fit uses the synchronous optimizer (async_optimizer=False)."
+            " Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) clips on the asynchronous optimizer's"
+            " thread instead."
+        )
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+        if (name := wrapped_optimizer(optimizer)) is not None:
+            return (
+                f"{type(optimizer).__name__} steps another optimizer (its {name!r}), which the asynchronous"
+                " optimizer's thread cannot step over its own copies of the parameters: this fit uses the"
+                " synchronous optimizer (async_optimizer=False)."
+            )
+    return None

@@ -345,10 +345,11 @@ def write_timeline(
 
 
 class FlushFirst(_Callback):  # type: ignore[misc,valid-type]
-    """The pending update into the weights before the other callbacks' epoch and training ends. Without it,
-    Lightning's ``EMAWeightAveraging`` and ``StochasticWeightAveraging`` copied their averages into the module
-    while the last update was still landing (on the host), or before the device's values replaced the module's
-    (``optimizer_on="device"``): the run ended on the plain weights, not the average."""
+    """The pending update into the weights before the other callbacks' epoch ends, validation starts and training
+    ends. Without it, Lightning's ``EMAWeightAveraging`` and ``StochasticWeightAveraging`` copied their averages
+    into the module while the last update was still landing (on the host), or before the device's values replaced
+    the module's (``optimizer_on="device"``): the run ended on the plain weights, not the average. A callback that
+    swaps averaged weights in at validation's start had the pending update land on them (5e-2 from plain)."""
 
     def __init__(self, flush: Any) -> None:
         self._flush = flush
@@ -356,6 +357,10 @@ class FlushFirst(_Callback):  # type: ignore[misc,valid-type]
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._flush()
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._flush()  # a callback that swaps averaged weights in for validation (NeMo's EMA) swaps settled ones
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

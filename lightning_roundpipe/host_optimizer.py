@@ -128,26 +128,26 @@ def check_host_step(optimizers: list[Any], on_device: bool = False) -> None:
 
 
 def check_coupling(optimizers: list[Any], num_nodes: int) -> list[str]:
-    """The optimizers whose step couples their parameters (one step of all differs from steps of parts:
+    """The optimizers stepped at once (their step couples their parameters, or the probe could not tell:
     :func:`~lightning_roundpipe.runtime.shadow.steps_apart`), each said once: the asynchronous updates wait for a
     step's last gradient and step them at once. Several nodes, which each update their own groups, refuse them."""
     coupled = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
-        if steps_apart(optimizer):
+        apart = steps_apart(optimizer)
+        if apart:
             continue
         name = type(optimizer).__name__
+        why = "couples its parameters (one step of all differs from steps of parts)" if apart is False else None
+        why = why or "could not be tried on small CPU parameters, so whether it treats each parameter alone is unknown"
         if num_nodes > 1:
             raise ValueError(
-                f"{name}'s step couples its parameters (one step of all of them differs from steps of parts, as"
-                " with a norm over all of them or a count kept per step() call), and roundpipe's nodes each update"
-                " their own part of the model: use an optimizer whose step treats each parameter alone"
-                " (torch.optim's), or one node."
+                f"{name}'s step {why}, and roundpipe's nodes each update their own part of the model: use an"
+                " optimizer whose step treats each parameter alone (torch.optim's), or one node."
             )
         rank_zero_info(
-            f"roundpipe: {name}'s step couples its parameters (one step of all differs from steps of parts), so"
-            " each update waits for the step's last gradient and steps them at once (torch.optim's optimizers are"
-            " stepped group by group as each gradient completes)"
+            f"roundpipe: {name}'s step {why}, so each update waits for the step's last gradient and steps them at"
+            " once (torch.optim's optimizers are stepped group by group as each gradient completes)"
         )
         coupled.append(name)
     return coupled

@@ -28,6 +28,7 @@ from lightning_roundpipe.build import (
     build_again,
     build_engine,
     fresh_engine,
+    needs_main_thread,
     setup_optimizers,
 )
 from lightning_roundpipe.callbacks import FlushFirst
@@ -180,12 +181,13 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
                 "roundpipe supports automatic optimization only: remove `self.automatic_optimization = False`"
                 f" and let Lightning call the optimizer. {ONE_OPTIMIZER}"
             )
-        if fitting and self.async_optimizer and _is_overridden("configure_gradient_clipping", self.lightning_module):
-            rank_zero_warn(_OWN_CLIPPING.format(type(self.lightning_module).__name__))
-            self.options = dataclasses.replace(self.options, async_optimizer=False)  # (the hook: main thread)
         if fitting:  # first: optimizer_on="auto" leaves optimizers other than torch.optim's on the host
             setup_optimizers(self, trainer)
             trainer.callbacks.insert(0, FlushFirst(self._flush))  # before the user's epoch and training ends
+            why = self.async_optimizer and needs_main_thread(self.lightning_module, self.optimizers, _is_overridden)
+            if why:  # a hook or an optimizer the optimizer thread cannot serve
+                rank_zero_warn(why)
+                self.options = dataclasses.replace(self.options, async_optimizer=False)
         self._setup_engine(trainer, training=fitting)
         if fitting:
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
@@ -317,6 +319,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        self._flush()  # a pending update must not land on the loaded weights
         quantized.load_without_base(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
@@ -349,14 +352,6 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             strategy_registry.register(
                 cls.strategy_name, cls, description="RoundPipe: host-resident model states, round-robin stages"
             )
-
-
-_OWN_CLIPPING = (
-    "{} overrides configure_gradient_clipping, which clips the gradients on the main thread; the asynchronous"
-    " optimizer applies them on its own thread, where the hook would never be called: this fit uses the"
-    " synchronous optimizer (async_optimizer=False). Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)"
-    " clips on the asynchronous optimizer's thread instead."
-)
 
 
 def _warn_about_gradient_hooks(module: Any) -> None:

@@ -339,11 +339,12 @@ class OptimizerWorker:
         # rebuilt if the optimizer's state was replaced (load_state_dict) or groups were added
         key = (id(optimizer), id(optimizer.state), len(optimizer.param_groups))
         if key not in self._shadows:
-            for old in self._shadows.values():
-                if old.sync.real is optimizer and len(old.sync.captured) == len(optimizer.param_groups):
-                    old.sync.to_host()  # groups added: what the steps kept in the groups carries over
             shadow, shadows_of = shadow_optimizer(optimizer)
-            self._shadows = {key: Shadow(shadow, shadows_of, GroupSync(optimizer, shadow), steps_apart(optimizer))}
+            sync = GroupSync(optimizer, shadow)
+            for (_, state, _), old in self._shadows.items():
+                if old.sync.real is optimizer and state == id(optimizer.state):
+                    sync.carry(old.sync)  # groups added (a loaded state starts from the loaded values)
+            self._shadows = {key: Shadow(shadow, shadows_of, sync, steps_apart(optimizer) is True)}
         return self._shadows[key]
 
     def groups_to_host(self) -> None:

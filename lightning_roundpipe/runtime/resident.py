@@ -142,6 +142,7 @@ class ResidentStates:
         Returns the seconds the device work took as the host waited for it, and the gradients' global 2-norm
         before clipping where asked (else ``None``)."""
         spec = job.spec
+        self._ahead = True  # from here the device's values lead the host's (a failure midway included)
         with self.device.on(self.stream):
             self._use(spec.optimizer)
         assert self._shadow is not None and self._sync is not None
@@ -185,7 +186,6 @@ class ResidentStates:
             working += end - start
             if trace is not None:
                 trace.extend(("update", job.step, g, start, end) for g in part)
-        self._ahead = True
         return working, total
 
     def _mirror(self, g: int, updated: Any) -> None:
@@ -240,10 +240,11 @@ class ResidentStates:
                     pairs.append((p, sp, self.grad[group.index][span].view(p.shape)))
                 self._params[group.index] = pairs
         shadow = optimizer_over(optimizer, of, collections.defaultdict(dict))
+        sync = GroupSync(optimizer, shadow)
         if self._sync is not None and self.optimizer is optimizer:
-            self._sync.to_host()  # groups added: what the steps kept in the groups carries over
-        self._shadow, self._key, self._sync = shadow, key, GroupSync(optimizer, shadow)
-        self._apart = steps_apart(optimizer)
+            sync.carry(self._sync)  # groups added: what the steps kept in the groups carries over
+        self._shadow, self._key, self._sync = shadow, key, sync
+        self._apart = steps_apart(optimizer) is True
         if self.optimizer is optimizer:
             for p, sp, _ in self._pairs():
                 if id(p) in carried:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 PROBE_LR = 0.01
-"""The coupling probe's learning rate where the user's is zero (a warm-up's start): zero moves nothing to compare."""
+"""The coupling probe's least learning rate: zero (a warm-up's start) or a tiny one moves nothing it can compare."""
 APART_TOLERANCE = 1e-4
 """Relative difference of the probe's updates, stepped apart and together, within which they are the same step."""
 
@@ -64,9 +64,25 @@ def shadow_optimizer(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Opti
     return optimizer_over(optimizer, shadows_of, _SharedState(optimizer.state, real_of)), shadows_of
 
 
+def wrapped_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
+    """The attribute through which ``optimizer`` steps another optimizer (timm's ``Lookahead`` keeps its base one
+    so), else ``None``. A shadow cannot be built over it: copying the attribute would step the user's inner
+    optimizer over the user's parameters, which the asynchronous optimizer leaves without gradients."""
+    for name, value in vars(optimizer).items():
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.optim.Optimizer) and v is not optimizer for v in inner):
+            return name
+    return None
+
+
 def optimizer_over(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter], state: Any) -> Any:
     """``optimizer``'s class, attributes and group values over the parameters ``shadows_of`` maps the real ones to
     (by ``id``; those it does not map are left out), with ``state`` as its per-parameter state."""
+    if (name := wrapped_optimizer(optimizer)) is not None:
+        raise ValueError(
+            f"{type(optimizer).__name__} steps another optimizer (its {name!r}), which a shadow over copies of the"
+            " parameters cannot step: use the synchronous optimizer (async_optimizer=False)"
+        )
     # Every attribute, not only the three torch pickles (what ``copy.copy`` keeps): bitsandbytes' optimizers and
     # others read their own settings from the instance in ``step``.
     shadow = object.__new__(type(optimizer))
@@ -82,7 +98,25 @@ def optimizer_over(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Pa
         for group in optimizer.param_groups
     ]
     shadow.state = state
+    _carry_overrides(optimizer, shadows_of)
     return shadow
+
+
+def _carry_overrides(optimizer: torch.optim.Optimizer, shadows_of: dict[int, nn.Parameter]) -> None:
+    """bitsandbytes' per-parameter settings (``GlobalOptimManager``'s overrides: an embedding kept in 32 bits),
+    which its optimizers look up by the parameter's ``id`` and position, for the shadow's parameters too."""
+    manager = getattr(optimizer, "mng", None)
+    configs = getattr(manager, "pid2config", None)
+    if not isinstance(configs, dict):
+        return
+    modules = getattr(manager, "module_weight_config_triple", ())
+    by_module = {id(getattr(m, name)): config for m, name, config in modules if getattr(m, name, None) is not None}
+    by_index = getattr(manager, "index2config", {})
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            config = {**by_index.get((i, j), {}), **by_module.get(id(p), {}), **configs.get(id(p), {})}
+            if config and id(p) in shadows_of:
+                configs[id(shadows_of[id(p)])] = config
 
 
 class GroupSync:
@@ -113,6 +147,14 @@ class GroupSync:
                     continue  # the main thread's change, newer
                 real[key], seen[key] = _copied(value), _copied(value)
 
+    def carry(self, old: GroupSync) -> None:
+        """A new shadow of the same optimizer and state (groups were added): the old shadow's values and captures
+        for the groups it had, so what its steps changed since the last flush is neither lost nor taken for the
+        main thread's change (and nothing is written to the real groups from the optimizer thread)."""
+        for group, old_group in zip(self.shadow.param_groups, old.shadow.param_groups):
+            group.update(_values(old_group))
+        self.captured[: len(old.captured)] = old.captured
+
     def from_host(self) -> None:
         """After the real optimizer was loaded (a checkpoint): every group value from the real groups."""
         for group, real in zip(self.shadow.param_groups, self.real.param_groups):
@@ -120,11 +162,14 @@ class GroupSync:
         self.captured = [_values(group) for group in self.real.param_groups]
 
 
-def steps_apart(optimizer: torch.optim.Optimizer) -> bool:
+def steps_apart(optimizer: torch.optim.Optimizer) -> bool | None:
     """Whether stepping ``optimizer``'s parameters part by part (the others' gradients ``None``) moves them as
     one step of all does, for each of its groups' values: probed on two small fp32 parameters shaped like the
-    group's over three steps (a few milliseconds; the last 64 answers kept). ``False`` also where the probe
-    cannot run: the engine then steps all parameters at once, as the user's code would."""
+    group's over three steps (a few milliseconds; the last 64 answers kept). torch.optim's own classes treat each
+    parameter alone and are not probed. ``None`` where the probe cannot run (a kernel that needs a GPU, a setting
+    the CPU refuses): the engine then steps all parameters at once, as the user's code would."""
+    if type(optimizer).__module__.startswith("torch.optim."):
+        return True
     for group in optimizer.param_groups:
         trainable = [p for p in group["params"] if p.requires_grad][:2]
         if not trainable:
@@ -136,39 +181,41 @@ def steps_apart(optimizer: torch.optim.Optimizer) -> bool:
         except TypeError:  # a value that cannot be hashed: probed each time
             apart = _apart_for.__wrapped__(type(optimizer), key, shapes)
         if not apart:
-            return False
+            return apart
     return True
 
 
 @functools.lru_cache(maxsize=64)
-def _apart_for(cls: type, key: tuple[tuple[str, Any], ...], shapes: tuple[tuple[int, ...], ...]) -> bool:
+def _apart_for(cls: type, key: tuple[tuple[str, Any], ...], shapes: tuple[tuple[int, ...], ...]) -> bool | None:
     """The probe of :func:`steps_apart` for one group's values, on parameters shaped like its first two (at most
-    6 along each dimension: a matrix-only optimizer gets matrices)."""
+    6 along each dimension: a matrix-only optimizer gets matrices). Its own random generator, seeded alike for both
+    orders: the user's stream is not drawn from, and a stochastic step (rounding) draws the same numbers."""
     values = dict(key)
     settings = constructor_settings(cls, values)
-    if isinstance(settings.get("lr"), (int, float)) and settings["lr"] == 0:
-        settings["lr"] = PROBE_LR
+    if isinstance(settings.get("lr"), (int, float)) and settings["lr"] < PROBE_LR:
+        settings["lr"] = PROBE_LR  # a tiny rate moves nothing an fp32 probe can see
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(shape, generator=g) for shape in shapes]
     grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(3)]
     moved = []
     try:
-        for apart in (False, True):
-            params = [nn.Parameter(t.clone()) for t in start]
-            scratch = cls(params, **settings)
-            scratch.param_groups[0].update({k: v for k, v in values.items() if k not in settings and k != "lr"})
-            scratch._need_device_dtype_check_for_fused = bool(values.get("fused"))
-            for step in grads:
-                for part in ([0], [1]) if apart else ([0, 1],):
-                    for i, p in enumerate(params):
-                        p.grad = step[i].clone() if i in part else None
-                    scratch.step()
-            moved.append(torch.cat([(p.detach() - t).flatten().double() for p, t in zip(params, start)]))
-    except Exception:  # it cannot be rebuilt or stepped so: step it whole, as the user's code would
-        return False
+        with torch.random.fork_rng(devices=[]):
+            for apart in (False, True):
+                torch.manual_seed(0)
+                params = [nn.Parameter(t.clone()) for t in start]
+                scratch = cls(params, **settings)
+                scratch.param_groups[0].update({k: v for k, v in values.items() if k not in settings and k != "lr"})
+                scratch._need_device_dtype_check_for_fused = bool(values.get("fused"))
+                for step in grads:
+                    for part in ([0], [1]) if apart else ([0, 1],):
+                        for i, p in enumerate(params):
+                            p.grad = step[i].clone() if i in part else None
+                        scratch.step()
+                moved.append(torch.cat([(p.detach() - t).flatten().double() for p, t in zip(params, start)]))
+    except Exception:  # it cannot be rebuilt or stepped so: unknown
+        return None
     together, parts = moved
-    scale = float(together.norm())
-    return scale > 0 and float((together - parts).norm()) <= APART_TOLERANCE * scale
+    return float((together - parts).norm()) <= APART_TOLERANCE * float(together.norm())
 
 
 def constructor_settings(cls: type, group: dict[str, Any]) -> dict[str, Any]:
