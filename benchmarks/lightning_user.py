@@ -276,7 +276,7 @@ class LM(L.LightningModule):
             params, kept, total = list(self.parameters()), 0, sum(p.numel() for p in self.parameters())
             while kept < len(params) and sum(p.numel() for p in params[kept:]) > self.skip * total:
                 kept += 1
-            return _SkipMath([{"params": params[:kept]}, {"params": params[kept:], "skip": True}], lr=1e-5)
+            return _SkipMath([{"params": params[:kept]}, {"params": params[kept:], "skip": True}], lr=1e-5, fused=True)
         if self.bnb8:  # as QLoRA recipes write it: bitsandbytes' 8-bit AdamW (its CPU kernels on the host)
             import bitsandbytes as bnb
 
