@@ -60,6 +60,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   (their casts and transfers left), and the plan sized for ``gpu_memory=G``: what keeping that share's states on
   the GPU (20 bytes a parameter, taken from the plan's limit) could give where they do not all fit, before
   building it (an experiment: it moves more bytes than the real thing would, and none on the GPU's side);
+- ``newcomer-shareF``: ``RoundPipeStrategy(optimizer_on=F)``: the deepest share ``F`` of the trainable parameters'
+  states and updates on the GPU, the rest's on the host, the plan sized for what they leave of ``gpu_memory``;
 - ``newcomer-capped``: the defaults with torch's caching allocator held to what the plan may use (0.8 of the card,
   or of ``--gpu-gib``, through ``torch.cuda.set_per_process_memory_fraction``; ``gpu_memory=1.0`` of that), so that
   the reserve cannot grow past the plan's limit: past it torch frees cached blocks first (an experiment);
@@ -428,6 +430,8 @@ def strategy_for(
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
         return RoundPipeStrategy(optimizer_on="host"), False  # experiments on the host optimizer's step
+    if config.startswith("newcomer-share"):  # newcomer-shareF: RoundPipeStrategy(optimizer_on=F)
+        return RoundPipeStrategy(optimizer_on=float(config.removeprefix("newcomer-share"))), False
     if config.startswith("newcomer-skip"):  # newcomer-skipF-gmG
         share = float(config.partition("-gm")[2] or 0.8)
         return RoundPipeStrategy(optimizer_on="host", gpu_memory=share), False
@@ -463,7 +467,7 @@ def strategy_for(
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-devopt, newcomer-hostopt, newcomer-noop,"
-        " newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG,"
+        " newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
         " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"

@@ -149,8 +149,8 @@ def _rebuilt(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngi
 
 
 def _place(
-    place: str, num_nodes: int, autocast_dtype: torch.dtype | None, optimizers: Sequence[Any]
-) -> tuple[str, str]:
+    place: str | float, num_nodes: int, autocast_dtype: torch.dtype | None, optimizers: Sequence[Any]
+) -> tuple[str | float, str]:
     """``optimizer_on`` with the strategy's reasons for the host applied to ``"auto"``, and the reason."""
     if place != "auto":
         return place, ""

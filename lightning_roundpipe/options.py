@@ -72,7 +72,7 @@ class RoundPipeOptions:
     asynchronous mode gradient clipping runs on the optimizer thread, the LR and other hyper-parameters
     are those in effect when the step is submitted, and ``p.grad`` is not available in
     ``on_after_backward`` / ``on_before_optimizer_step``."""
-    optimizer_on: str = "auto"
+    optimizer_on: str | float = "auto"
     """Where the asynchronous optimizer keeps the trainable weights' training states and steps them: ``"host"``
     (host memory, the RoundPipe design), or ``"device"``: on the one GPU, for a model whose fp32 masters, gradients,
     two compute copies and optimizer states (about 20 bytes a trainable parameter with AdamW) fit beside the plan,
@@ -81,7 +81,9 @@ class RoundPipeOptions:
     ``16-mixed``. ``"auto"`` (the default): the device where the states take at most half of ``gpu_memory`` on one
     GPU and the optimizer is one of ``torch.optim``'s (another's step may need the host: ``"device"`` tries it),
     not with ``16-mixed`` or several nodes; else the host. A log line says which and why. Measured on one H200
-    (Qwen3-1.7B shape, 8 sequences a step): 42,404 real tokens/s against the host's 22,877 (docs/benchmarks.md)."""
+    (Qwen3-1.7B shape, 8 sequences a step): 42,404 real tokens/s against the host's 22,877 (docs/benchmarks.md).
+    A number in (0, 1): that share of the trainable parameters (the deepest layers') on the GPU, the rest on the
+    host, for a host-bound step whose states do not all fit (an experiment: not measured on a GPU yet)."""
     double_buffer: bool | str = False
     """With ``async_optimizer``, a second host compute copy of trainable weights, so each update is cast
     into the copy the step after next reads as soon as it is computed. Without it the next step's first
@@ -177,13 +179,15 @@ class RoundPipeOptions:
                 f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
                 " weight casts; it needs async_optimizer=True"
             )
-        if self.optimizer_on not in ("host", "device", "auto"):
+        share = isinstance(self.optimizer_on, float) and 0.0 < self.optimizer_on < 1.0
+        if self.optimizer_on not in ("host", "device", "auto") and not share:
             raise ValueError(
-                f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) must be 'host', 'device' or 'auto'"
+                f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) must be 'host', 'device', 'auto' or a share"
+                " of the trainable parameters in (0, 1)"
             )
-        if self.optimizer_on == "device" and not self.async_optimizer:
-            raise ValueError("RoundPipeStrategy(optimizer_on='device') is the asynchronous optimizer's: it needs"
-                             " async_optimizer=True")  # fmt: skip
+        if (self.optimizer_on == "device" or share) and not self.async_optimizer:
+            raise ValueError(f"RoundPipeStrategy(optimizer_on={self.optimizer_on!r}) is the asynchronous optimizer's:"
+                             " it needs async_optimizer=True")  # fmt: skip
         self.timeout = _timeout(self.timeout)
         if isinstance(self.plan, str) and self.plan != "auto":
             self.plan = StagePlan.parse(self.plan)

@@ -70,7 +70,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
         optimizer_on: the asynchronous optimizer's states and steps on the ``"host"``, the one GPU
             (``"device"``), or ``"auto"``: the GPU where they take at most half of ``gpu_memory`` and the optimizer
-            is one of ``torch.optim``'s.
+            is one of ``torch.optim``'s; a share in (0, 1): that share of the states (the deepest layers') on the GPU.
         host_memory_check: refuse, with the estimate, a run the host cannot hold.
         split_decoder_layers, tile_tokens: a Hugging Face model's blocks as attention and MLP layers; tiled.
         split_by: micro-batches by ``"tokens"`` (``"auto"``: a padded Hugging Face batch's, packed where torch's
@@ -99,7 +99,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         gpu_memory: float | str = 0.8,
         async_optimizer: bool = True,
         double_buffer: bool | str = False,
-        optimizer_on: str = "auto",
+        optimizer_on: str | float = "auto",
         host_memory_check: bool = True,
         split_decoder_layers: bool = False,
         tile_tokens: int | None = None,

@@ -260,7 +260,7 @@ class _SwapForValidation(L.Callback):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer_on", ["host", "device"])
+@pytest.mark.parametrize("optimizer_on", ["host", "device", 0.5])
 def test_weights_swapped_in_for_validation_do_not_take_the_pending_update(optimizer_on):
     """Callbacks' ``on_validation_start`` runs before the strategy's, which flushed: the pending update landed on
     the swapped-in average (host), or the device's masters replaced it (device), and training went on from a mix

@@ -209,7 +209,7 @@ def test_lightning_on_gpu_matches_cpu():
 
 
 def async_matches_staleness_one(
-    devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str = "host",
+    devices: list[WorkerDevice], microbatches: int, double_buffer: bool | str, optimizer_on: str | float = "host",
     kind: str = "adamw",
 ) -> None:  # fmt: skip
     from test_async import make_optimizer, staleness_one_reference, train_and_close
@@ -234,9 +234,11 @@ def test_async_optimizer_on_gpu_equals_staleness_one_reference(double_buffer):
 
 
 @pytest.mark.timeout(120)
-def test_the_optimizer_on_the_gpu_equals_staleness_one_reference():
-    """``optimizer_on="device"``: the states and updates on the GPU, their gates opened after the device's work."""
-    async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on="device")
+@pytest.mark.parametrize("place", ["device", 0.5])
+def test_the_optimizer_on_the_gpu_equals_staleness_one_reference(place):
+    """``optimizer_on="device"``: the states and updates on the GPU, their gates opened after the device's work;
+    ``0.5``: the deepest half's there, the rest's on the host, one update across both."""
+    async_matches_staleness_one([CudaWorkerDevice("cuda:0", 0)], 3, False, optimizer_on=place)
 
 
 @pytest.mark.timeout(120)

@@ -31,11 +31,12 @@ pytestmark = pytest.mark.filterwarnings("error:roundpipe.*changed on the host") 
         ({"microbatches_per_round": 3, "num_rounds": 2, "plan": PLAN, "double_buffer": True}, 1),
     ],
 )
-def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs, per_step):
+@pytest.mark.parametrize("place", ["device", 0.5])  # every trainable group's states there, or the deepest half's
+def test_weights_equal_the_host_optimizers_and_a_staleness_one_reference(kwargs, per_step, place):
     model, data = mlp(), batches(5, per_step)
     want = staleness_one_reference(model, data)
     host, _ = run_async(copy.deepcopy(model), data, 1, **kwargs)
-    device, opt = run_async(copy.deepcopy(model), data, 1, optimizer_on="device", **kwargs)
+    device, opt = run_async(copy.deepcopy(model), data, 1, optimizer_on=place, **kwargs)
     assert torch.equal(device, host)  # the same kernels in the same order on the CPU stand-in
     assert (device - want).norm() <= 1e-5 * want.norm()
     assert all(set(s) >= {"exp_avg", "exp_avg_sq", "step"} for s in opt.state.values())  # back on the host
@@ -100,20 +101,21 @@ def test_a_frozen_base_stays_on_the_host_and_the_adapters_equal_the_host_optimiz
         layer.requires_grad_(False)
     frozen = [p.detach().clone() for p in (*model[0].parameters(), *model[4].parameters())]
     runs = {}
-    for place in ("host", "device"):
+    for place in ("host", "device", 0.5):
         trained = copy.deepcopy(model)
         runs[place], _ = run_async(trained, data, 1, microbatches_per_round=2, optimizer_on=place)
         assert all(torch.equal(a, b) for a, b in zip(frozen, (*trained[0].parameters(), *trained[4].parameters())))
-    assert torch.equal(runs["device"], runs["host"])
+    assert torch.equal(runs["device"], runs["host"]) and torch.equal(runs[0.5], runs["host"])
     assert not torch.equal(runs["device"], _flat(model))  # the adapters trained
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("clip", "algorithm"), [(0.05, "norm"), (0.01, "value")])
-def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm):
+@pytest.mark.parametrize("place", ["device", 0.5])  # (a share: the norm over the device's groups and the host's)
+def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm, place):
     model, data, lrs = mlp(), batches(4), [0.05, 0.02, 0.01, 0.005]
     want = staleness_one_reference(model, data, clip, algorithm, lrs, kind="sgd")
-    got, opt = run_async(copy.deepcopy(model), data, 1, clip, algorithm, lrs, kind="sgd", optimizer_on="device")
+    got, opt = run_async(copy.deepcopy(model), data, 1, clip, algorithm, lrs, kind="sgd", optimizer_on=place)
     assert (got - want).norm() <= 1e-5 * want.norm()
     assert all("momentum_buffer" in s for s in opt.state.values())
 
@@ -355,12 +357,15 @@ def test_through_lightning_the_weights_equal_the_host_optimizers(extra):
         strategy = RoundPipeStrategy(num_microbatches=3, optimizer_on=place)
         return flat_weights(fit(factory, {"accelerator": "cpu", "devices": 1, "strategy": strategy, **extra}))
 
-    host, device = trained("host"), trained("device")
+    host, device, share = trained("host"), trained("device"), trained(0.5)
     assert (device - host).norm() <= 1e-6 * host.norm()
+    assert (share - host).norm() <= 1e-6 * host.norm()
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("kind", "place"), [("adamw", "device"), ("counted", "device"), ("counted", "host")])
+@pytest.mark.parametrize(
+    ("kind", "place"), [("adamw", "device"), ("adamw", 0.5), ("counted", "device"), ("counted", "host")]
+)
 def test_through_lightning_a_resumed_run_equals_an_uninterrupted_one(tmp_path, kind, place):
     """``counted``: a step count kept in the optimizer's groups, which the checkpoint must hold."""
     import lightning as L
@@ -400,7 +405,7 @@ def test_the_strategy_refuses_the_device_optimizer_without_the_asynchronous_one(
 
     with pytest.raises(ValueError, match="async_optimizer=True"):
         RoundPipeStrategy(async_optimizer=False, optimizer_on="device")
-    with pytest.raises(ValueError, match="'host', 'device' or 'auto'"):
+    with pytest.raises(ValueError, match="'host', 'device', 'auto' or a share"):
         RoundPipeStrategy(optimizer_on="gpu")
 
 
@@ -645,3 +650,25 @@ def test_the_upload_rate_is_timed_on_what_really_goes_up(monkeypatch, place):
     first_layer = 1024 * 4096 * 4 + 4096 * 4  # the first slot of the measuring plan: one layer, 16.8 MB
     assert seen and set(seen) == ({first_layer} if place == "host" else {0})  # the device's: nothing went up
     assert rate > 0  # from that upload, or from the device's copies as it took them from the host
+
+
+@pytest.mark.timeout(60)
+def test_a_share_of_the_states_on_the_device_holds_the_deepest_groups_and_refuses_a_coupled_optimizer():
+    """``optimizer_on=0.5``: the deepest groups' states on the device (their gradients complete first in the
+    backward), the rest the host's; an optimizer whose step couples the parameters cannot be stepped in two places."""
+    model, data = mlp(), batches(2)
+    engine = PipelineEngine(list(model), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=0.5)
+    try:
+        trainable = [g.index for g in engine.store.groups if g.trainable]
+        sizes = {g.index: g.data.numel() for g in engine.store.groups}
+        held = engine.resident.groups
+        assert held == tuple(trainable[-len(held) :]) and 0 < len(held) < len(trainable)
+        assert sum(sizes[g] for g in held) <= 0.5 * sum(sizes[g] for g in trainable)
+        opt = make_optimizer(model.parameters(), "counted")
+        with pytest.raises(RuntimeError, match="couples its parameters, and a share of the states on the device"):
+            _train(engine, opt, data)
+            engine.flush()
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"optimizer_on=1\.5 is not one of"):
+        PipelineEngine(list(mlp()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=1.5)

@@ -72,7 +72,9 @@ class PipelineEngine:
         double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
         optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device,
-            within ``memory_limit``: :mod:`~lightning_roundpipe.runtime.resident`) or ``"auto"`` (there where they fit).
+            within ``memory_limit``: :mod:`~lightning_roundpipe.runtime.resident`), ``"auto"`` (there where they fit)
+            or a share in (0, 1) of the trainable parameters, the deepest groups', on the device (the rest's on the
+            host).
     """
 
     def __init__(
@@ -95,7 +97,7 @@ class PipelineEngine:
         planner: str = "fastest",
         memory_limit: float | None = None,
         double_buffer: bool | str = False,
-        optimizer_on: str = "host",
+        optimizer_on: str | float = "host",
     ) -> None:
         self.layers, self.devices = list(layers), list(devices)
         self.num_workers = len(self.devices)
@@ -349,7 +351,7 @@ class PipelineEngine:
 
 
 def _check_arguments(
-    engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str, optimizer_on: str
+    engine: PipelineEngine, microbatches_per_round: int | None, num_rounds: int, double_buffer: str, optimizer_on: Any
 ) -> None:
     """Refuse arguments the engine cannot run with, before anything is allocated."""
     if not engine.layers:
@@ -368,10 +370,13 @@ def _check_arguments(
         raise ValueError(f"num_rounds must be at least 1, got {num_rounds}")
     if engine.consistency not in ("layerwise", "barrier"):
         raise ValueError(f"consistency={engine.consistency!r} is not 'layerwise' or 'barrier'")
-    if optimizer_on not in OPTIMIZER_PLACES:
-        raise ValueError(f"optimizer_on={optimizer_on!r} is not one of {OPTIMIZER_PLACES}")
-    if optimizer_on == "device" and (engine.num_workers, engine.asynchronous, engine.consistency) != (
+    share = isinstance(optimizer_on, float) and 0.0 < optimizer_on < 1.0
+    if optimizer_on not in OPTIMIZER_PLACES and not share:
+        raise ValueError(f"optimizer_on={optimizer_on!r} is not one of {OPTIMIZER_PLACES} or a share in (0, 1)")
+    if (optimizer_on == "device" or share) and (engine.num_workers, engine.asynchronous, engine.consistency) != (
         1, True, "layerwise"):  # fmt: skip
-        raise ValueError("optimizer_on='device' is for one worker device and the asynchronous, layerwise optimizer")
+        raise ValueError(
+            f"optimizer_on={optimizer_on!r} is for one worker device and the asynchronous, layerwise optimizer"
+        )
     if double_buffer != "none" and not engine.asynchronous:
         raise ValueError(f"double_buffer={double_buffer!r} is for the asynchronous optimizer (asynchronous=True)")

@@ -337,6 +337,16 @@ class HostWrites:
             for g in self.by_slot.get(key, ()):
                 self.landed[g] = self.landed.get(g, 0) + 1
 
+    def groups_landed(self, key: tuple[int, int], groups: Any) -> None:
+        """Of slot ``key``'s writes, those of ``groups`` are there for good already (a device's own gradients,
+        with a share of the states there); :meth:`slot_landed` counts the rest."""
+        with self._lock:
+            mine = self.by_slot.get(key, ())
+            for g in mine:
+                if g in groups:
+                    self.landed[g] = self.landed.get(g, 0) + 1
+            self.by_slot[key] = tuple(g for g in mine if g not in groups)
+
     def complete(self, rounds: int) -> tuple[set[int], str | None]:
         """Once no thread runs the flight: the groups whose writes all landed, and why another attempt
         could not be exact (``None`` if it can): a group with some but not all of its ``rounds`` writes

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -197,24 +198,30 @@ class OptimizerWorker:
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
-        if self.resident is not None:  # the device updates and casts; a resumed cast comes with its states
+        groups = job.groups
+        if (resident := self.resident) is not None:  # the device updates and casts its groups; a resumed cast
+            groups = [g for g in job.groups if g not in resident.held]  # comes with its states
             if job.spec is not None:
-                working, norm = self.resident.update(job, self.trace)
+                norm_of_rest = partial(self._norm, job, groups) if groups else None
+                working, norm = resident.update(job, self.trace, norm_of_rest)
                 if norm is not None:
                     self.grad_norms.append((job.step, norm))
                 self.last_update = (job.step, working)
-            for gate in job.cast_done.values():
-                gate.set()
-            return
-        if job.spec is not None:
+                if groups:  # the host's share, stepped as the device's gradients were
+                    self._math(job, groups, norm, working)
+            for g in resident.held.intersection(job.cast_done):
+                job.cast_done[g].set()
+            if not groups:
+                return
+        elif job.spec is not None:
             self._math(job)
         job.math_done.set()
         if not job.cast:
             return
         # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
-        spare = [g for g in job.groups if self.store.groups[g].spare is not None]
-        single = [g for g in job.groups if self.store.groups[g].spare is None]
+        spare = [g for g in groups if self.store.groups[g].spare is not None]
+        single = [g for g in groups if self.store.groups[g].spare is None]
         for g in spare:
             for flight in job.window.flights if job.window is not None else ():
                 flight.wait_uploaded(g)
@@ -232,8 +239,17 @@ class OptimizerWorker:
         if self.trace is not None:
             self.trace.append(("cast", job.step, g, time.perf_counter()))
 
-    def _math(self, job: UpdateJob) -> None:
+    def _norm(self, job: UpdateJob, groups: list[int]) -> float:
+        """The 2-norm of ``groups``' host gradients, once they are complete."""
+        for g in groups:
+            job.grads_complete[g].wait()
+        return math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in groups))
+
+    def _math(self, job: UpdateJob, groups: Any = None, given: float | None = None, done: float = 0.0) -> None:
+        """The host's math of ``groups`` (default: the job's); with a share of the states on the device, the
+        global norm it measured (``given``) and the seconds its update took (``done``) come along."""
         assert job.spec is not None
+        groups = job.groups if groups is None else groups
         shadow = self._shadow(job.spec.optimizer)
         shadow.sync.apply(job.spec.hyperparameters)
         exchange = self.exchange
@@ -253,11 +269,13 @@ class OptimizerWorker:
                 exchange.reduce(g)  # in update order on every node: the collectives pair up
                 reduced.add(g)
 
-        norm = clip_norm or job.spec.measure_norm
+        norm = (clip_norm or job.spec.measure_norm) and given is None
+        if clip_norm and given is not None:
+            coefficient = min(1.0, job.spec.clip_value / (given + 1e-6))
         if norm or job.spec.scaler is not None or exchange is not None or not shadow.apart:
-            for g in job.groups:  # the global norm (or one step of all) needs every gradient of the step (and
+            for g in groups:  # the global norm (or one step of all) needs every gradient of the step (and
                 complete(g)  # nodes reduce in order)
-        working = 0.0
+        working = done
         skip = False
         if job.spec.scaler is not None:
             start = time.perf_counter()
@@ -268,14 +286,14 @@ class OptimizerWorker:
             if exchange is not None:
                 total = exchange.global_norm()
             else:
-                total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in job.groups))
+                total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in groups))
             self.grad_norms.append((job.step, total))
             if clip_norm:
                 assert job.spec.clip_value is not None
                 coefficient = min(1.0, job.spec.clip_value / (total + 1e-6))
             working += time.perf_counter() - start
-        stepped = [g for g in job.groups if not (skip or (exchange is not None and not exchange.owns(g)))]
-        for g in set(job.groups) - set(stepped):
+        stepped = [g for g in groups if not (skip or (exchange is not None and not exchange.owns(g)))]
+        for g in set(groups) - set(stepped):
             job.consumed[g].set()  # skipped, or another node updates this group (its gradient went there)
         for part in [[g] for g in stepped] if shadow.apart else [stepped]:
             for g in part:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import threading
 import time
 import warnings
@@ -52,19 +53,34 @@ STATE_BYTES = 8
 temporaries, come on top)."""
 
 
-def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTES) -> int:
-    """Device bytes the resident states take: masters, gradients, two compute copies, and the optimizer's states
-    (planned at :data:`STATE_BYTES` a parameter; they exist from the first update on)."""
+def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTES, groups: Any = None) -> int:
+    """Device bytes the resident states of ``groups`` (default: every trainable one) take: masters, gradients,
+    two compute copies, and the optimizer's states (planned at :data:`STATE_BYTES` a parameter; they exist from
+    the first update on)."""
     total = 0
     for group in store.groups:
-        if group.trainable:
+        if group.trainable and (groups is None or group.index in groups):
             n = group.data.numel()
             total += n * (2 * group.data.element_size() + 2 * group.compute.element_size() + state_bytes_per_parameter)
     return total
 
 
+def deepest_share(store: HostStore, share: float) -> tuple[int, ...]:
+    """The deepest trainable groups holding at most ``share`` of the trainable parameters (at least one): their
+    gradients complete first in a backward, so their updates on the device start first and the host's math on the
+    shallower ones follows as theirs complete."""
+    trainable = [g for g in store.groups if g.trainable]
+    total, held, taken = sum(g.data.numel() for g in trainable), 0, []
+    for group in reversed(trainable):
+        if taken and held + group.data.numel() > share * total:
+            break
+        taken.append(group.index)
+        held += group.data.numel()
+    return tuple(sorted(taken))
+
+
 def place_states(
-    optimizer_on: str,
+    optimizer_on: str | float,
     store: HostStore,
     devices: Any,
     eligible: bool,
@@ -73,9 +89,13 @@ def place_states(
 ) -> ResidentStates | None:
     """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
     device with one worker device, an engine that could (``eligible``: the asynchronous layerwise optimizer, no
-    fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it."""
+    fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it.
+    A number in (0, 1): that share of the trainable parameters, the deepest groups', on the device, the rest's on
+    the host (where the host's step bounds the step and not every state fits)."""
     if optimizer_on == "host":
         return None
+    if not isinstance(optimizer_on, str):
+        return ResidentStates(store, devices[0], transfers, deepest_share(store, float(optimizer_on)))
     fits = memory_limit is not None and resident_bytes(store) <= AUTO_SHARE * memory_limit
     if optimizer_on == "auto" and not (len(devices) == 1 and eligible and fits):
         return None
@@ -85,10 +105,15 @@ def place_states(
 class ResidentStates:
     """The trainable groups' training states on one worker device (see the module docstring)."""
 
-    def __init__(self, store: HostStore, device: WorkerDevice, transfers: TransferRate | None = None) -> None:
+    def __init__(
+        self, store: HostStore, device: WorkerDevice, transfers: TransferRate | None = None, groups: Any = None
+    ) -> None:
         self.store, self.device, self.transfers = store, device, transfers
         """``transfers``: the planner's upload rate, timed here (the slots upload none of these weights)."""
-        self.groups = tuple(g.index for g in store.groups if g.trainable)
+        self.groups = tuple(g.index for g in store.groups if g.trainable and (groups is None or g.index in groups))
+        """The groups whose states are here (every trainable one, or the deepest share's); the host keeps the rest."""
+        self.held = frozenset(self.groups)
+        self.whole = len(self.groups) == sum(g.trainable for g in store.groups)
         self.master: dict[int, Tensor] = {}
         self.grad: dict[int, Tensor] = {}
         self.copies: dict[int, tuple[Tensor, Tensor]] = {}
@@ -109,7 +134,7 @@ class ResidentStates:
         self._key: tuple[Any, ...] | None = None  # the optimizer and its parameter groups the shadow mirrors
         self._sync: GroupSync | None = None  # the shadow's group values against the optimizer's
         self._apart = True  # whether its groups may be stepped one by one (shadow.steps_apart)
-        self.need = resident_bytes(store)
+        self.need = resident_bytes(store, groups=self.held)
 
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
@@ -137,29 +162,39 @@ class ResidentStates:
             self.grad[g].add_(grad)
 
     # ------------------------------------------------------------------ updates (the optimizer thread)
-    def update(self, job: Any, trace: list[tuple[Any, ...]] | None = None) -> tuple[float, float | None]:
-        """Update ``job.step`` group by group in its order, then cast each master into copy ``job.step % 2``.
+    def update(
+        self, job: Any, trace: list[tuple[Any, ...]] | None = None, norm_of_rest: Any = None
+    ) -> tuple[float, float | None]:
+        """Update ``job.step``'s groups held here in its order, then cast each master into copy ``job.step % 2``.
         Returns the seconds the device work took as the host waited for it, and the gradients' global 2-norm
-        before clipping where asked (else ``None``)."""
+        before clipping where asked (else ``None``); ``norm_of_rest()``: that of the groups the host keeps."""
         spec = job.spec
         self._ahead = True  # from here the device's values lead the host's (a failure midway included)
         with self.device.on(self.stream):
             self._use(spec.optimizer)
         assert self._shadow is not None and self._sync is not None
+        if not (self._apart or self.whole):
+            raise RuntimeError(
+                f"{type(spec.optimizer).__name__}'s step couples its parameters, and a share of the states on the"
+                " device steps them apart from the host's: use optimizer_on='host' or 'device'"
+            )
         self._sync.apply(spec.hyperparameters)
         dev, working, coefficient, total = self.device, 0.0, 1.0, None
+        groups = [g for g in job.groups if g in self.held]
         clip_norm = spec.clip_value is not None and spec.clip_algorithm == "norm"
         if clip_norm or spec.measure_norm or not self._apart:  # (one step of all waits for all gradients too)
-            for g in job.groups:
+            for g in groups:
                 job.grads_complete[g].wait()
             start = time.perf_counter()
             with dev.on(self.stream):
-                norms = torch.stack([torch.linalg.vector_norm(self.grad[g].float()) for g in job.groups])
+                norms = torch.stack([torch.linalg.vector_norm(self.grad[g].float()) for g in groups])
                 total = float(torch.linalg.vector_norm(norms.double()))
             working += time.perf_counter() - start
+            if norm_of_rest is not None:
+                total = math.sqrt(total**2 + norm_of_rest() ** 2)
             if clip_norm:
                 coefficient = min(1.0, spec.clip_value / (total + 1e-6))
-        for part in [[g] for g in job.groups] if self._apart else [list(job.groups)]:
+        for part in [[g] for g in groups] if self._apart else [groups]:
             for g in part:
                 job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
             start = time.perf_counter()
@@ -229,16 +264,17 @@ class ResidentStates:
         if self._shadow is not None and self.optimizer is optimizer:
             carried = {id(p): self._shadow.state[sp] for p, sp, _ in self._pairs() if sp in self._shadow.state}
         of: dict[int, nn.Parameter] = {}
-        self._params = {}
+        params = {}  # assigned whole: the main thread's look at the host reads it
         for group in self.store.groups:
-            if group.trainable:
+            if group.index in self.held:
                 pairs = []
                 for p, offset in group.params:
                     span = slice(offset, offset + p.numel())
                     sp = nn.Parameter(self.master[group.index][span].view(p.shape), requires_grad=p.requires_grad)
                     of[id(p)] = sp
                     pairs.append((p, sp, self.grad[group.index][span].view(p.shape)))
-                self._params[group.index] = pairs
+                params[group.index] = pairs
+        self._params = params
         shadow = optimizer_over(optimizer, of, collections.defaultdict(dict))
         sync = GroupSync(optimizer, shadow)
         if self._sync is not None and self.optimizer is optimizer:
@@ -351,16 +387,19 @@ class ResidentStates:
         return (tuple(self.store.groups[g].version() for g in self.groups), self._state_view())
 
     def _state_view(self) -> tuple[int, int, int] | None:
-        """The state dict, its entries and their tensors' version counters (an in-place edit moves one)."""
+        """The state dict, the held parameters' entries and their tensors' version counters (an in-place edit
+        moves one; the host's own steps of the groups it keeps move theirs)."""
         if self.optimizer is None:
             return None
-        marks = 0
-        for entry in self.optimizer.state.values():
-            marks += id(entry)
+        marks, entries, state = 0, 0, self.optimizer.state
+        for p, _, _ in self._pairs():
+            if (entry := state.get(p)) is None:
+                continue
+            entries, marks = entries + 1, marks + id(entry)
             for value in entry.values() if isinstance(entry, dict) else ():
                 if isinstance(value, Tensor):
                     marks += id(value) + value._version
-        return (id(self.optimizer.state), len(self.optimizer.state), marks)
+        return (id(state), entries, marks)
 
     def rescue(self, step: int) -> None:
         """At the close after a failure, once no thread runs: the device's values to the host if it still

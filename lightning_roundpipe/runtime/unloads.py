@@ -51,13 +51,18 @@ class GradientUnloads:
             if action.is_last_part:
                 del self.slots.loaded[key]  # the allocator frees it after the compute stream is done with it
             return
-        if self.slots.resident is not None:
+        resident = self.slots.resident
+        if resident is not None and resident.whole:
             return self._into_resident(stage, action, flight, loaded, key)
+        held = frozenset() if resident is None else resident.held.intersection(self.slots.trainable[stage.slot])
         waits, done = flight.grad_order[key]
         overwrite = flight.overwrite[key]
+        if action.is_first_part and held:  # a share of the states on the device: those groups' gradients there
+            self._write_resident(held, flight, loaded, key)
         if action.is_first_part and loaded.backward_ran:
             dev.wait(dev.grad_down, loaded.last_compute)
-            grads = {g: grad for g, grad in loaded.grads.items() if g not in flight.host_writes.skip}
+            skip = flight.host_writes.skip
+            grads = {g: grad for g, grad in loaded.grads.items() if g not in skip and g not in held}
             if any(g in overwrite for g in grads):
                 waiting = time.perf_counter()
                 for gate in waits:  # edge 4: the previous step's update has read the gradients
@@ -100,7 +105,7 @@ class GradientUnloads:
             copied = dev.record(dev.grad_down)
             for source, _ in loaded.downloads.values():
                 dev.keep_alive(source, dev.grad_down)
-            unwritten = [] if loaded.backward_ran else sorted(overwrite)  # no gradient reached them
+            unwritten = [] if loaded.backward_ran else sorted(set(overwrite) - held)  # no gradient reached them
             del self.slots.loaded[key]  # from here the collector owns its staging buffers
             landed = partial(flight.host_writes.slot_landed, key)
             self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten, landed))
@@ -113,25 +118,10 @@ class GradientUnloads:
         gradients-down stream after everything the slot computed (its reads of the copies included); they are
         there for good once queued (the next attempt of a failed batch skips them), and the collector opens the
         slot's gate once the device did them."""
-        dev, resident = self.device, self.slots.resident
-        assert resident is not None
+        dev = self.device
         waits, done = flight.grad_order[key]
-        overwrite = flight.overwrite[key]
-        groups = [g for g in self.slots.trainable[stage.slot] if g not in flight.host_writes.skip]
         if action.is_first_part:
-            if any(g in overwrite for g in groups):
-                waiting = time.perf_counter()
-                for gate in waits:  # edge 4: the previous step's update has read the gradients
-                    gate.wait()
-                flight.waited("update reads", waiting)
-            dev.wait(dev.grad_down, loaded.last_compute if loaded.backward_ran else dev.record(dev.compute))
-            with dev.on(dev.grad_down):
-                for g in groups:
-                    grad = loaded.grads.get(g) if loaded.backward_ran else None
-                    resident.write_gradient(g, grad, g in overwrite)
-                    if grad is not None:
-                        dev.keep_alive(grad, dev.grad_down)
-            flight.host_writes.slot_landed(key)
+            self._write_resident(self.slots.trainable[stage.slot], flight, loaded, key)
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
             del self.slots.loaded[key]
@@ -139,6 +129,27 @@ class GradientUnloads:
             self.collecting.append(done)
             if self.overlap == "none":
                 dev.wait(dev.compute, copied)
+
+    def _write_resident(self, groups: Any, flight: Flight, loaded: Any, key: tuple[int, int]) -> None:
+        """The slot's gradients of ``groups`` into their device gradients, on the gradients-down stream after the
+        slot's compute; there for good once queued."""
+        dev, resident = self.device, self.slots.resident
+        assert resident is not None
+        overwrite = flight.overwrite[key]
+        groups = [g for g in groups if g not in flight.host_writes.skip]
+        if any(g in overwrite for g in groups):
+            waiting = time.perf_counter()
+            for gate in flight.grad_order[key][0]:  # edge 4: the previous step's update has read the gradients
+                gate.wait()
+            flight.waited("update reads", waiting)
+        dev.wait(dev.grad_down, loaded.last_compute if loaded.backward_ran else dev.record(dev.compute))
+        with dev.on(dev.grad_down):
+            for g in groups:
+                grad = loaded.grads.get(g) if loaded.backward_ran else None
+                resident.write_gradient(g, grad, g in overwrite)
+                if grad is not None:
+                    dev.keep_alive(grad, dev.grad_down)
+        flight.host_writes.groups_landed(key, groups)
 
     def _add_on_device(self, source: Tensor, host: Tensor, start: int, stop: int) -> None:
         """``host[start:stop] += source[start:stop]``, summed on the device: the host's partial sum goes

@@ -48,18 +48,18 @@ class WeightUploads:
             self.slots.loaded[key] = LoadedSlot(
                 {  # a resident group's slot tensor is the device's copy for the step: nothing to upload
                     g: resident.reads(g, flight.step)
-                    if resident is not None and groups[g].trainable
+                    if resident is not None and g in resident.held
                     else dev.empty(groups[g].compute.numel(), groups[g].compute.dtype, dev.param_up)
                     for g in self.slots.groups[stage.slot]
                 }
             )
             if handoff:  # what this slot's upload copies, for the upload rate (a resident group's: nothing)
-                copied = [g for g in self.slots.groups[stage.slot] if resident is None or not groups[g].trainable]
+                copied = [g for g in self.slots.groups[stage.slot] if resident is None or g not in resident.held]
                 flight.first_upload_bytes = sum(groups[g].compute.nbytes for g in copied)
         loaded = self.slots.loaded[key]
         resident = None if flight.evaluating else self.slots.resident
         for g, start, stop in self.slots.parts(stage.slot, "W", action.parts)[action.part]:
-            if resident is not None and self.store.groups[g].trainable:
+            if resident is not None and g in resident.held:
                 continue
             source = self.store.reads(g, flight.step)
             dev.copy_up(loaded.flats[g][start:stop], source[start:stop], dev.param_up)
