@@ -16,7 +16,7 @@ from lightning_roundpipe.host_optimizer import needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
-from lightning_roundpipe.runtime.resident import AUTO_SHARE, resident_bytes
+from lightning_roundpipe.runtime.placement import AUTO_SHARE, resident_bytes
 from lightning_roundpipe.runtime.shadow import wrapped_optimizer
 
 

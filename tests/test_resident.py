@@ -427,7 +427,7 @@ def test_loss_scaling_is_refused_in_the_main_thread():
 
 
 def test_the_plan_is_made_under_the_limit_less_the_states_and_the_cache_is_judged_by_the_whole_limit():
-    from lightning_roundpipe.runtime.resident import resident_bytes
+    from lightning_roundpipe.runtime.placement import resident_bytes
 
     engine = _engine(mlp(), memory_limit=1e9)
     try:
@@ -519,7 +519,7 @@ def test_after_a_failure_the_module_holds_the_updates_the_device_made():
     ],
 )
 def test_auto_puts_the_states_on_the_device_only_where_they_fit_on_one(workers, limit, layerwise, on_device):
-    from lightning_roundpipe.runtime.resident import resident_bytes
+    from lightning_roundpipe.runtime.placement import resident_bytes
 
     model = mlp()
     probe = PipelineEngine(list(copy.deepcopy(model).children()), [WorkerDevice("cpu")], asynchronous=True)

@@ -40,8 +40,8 @@ from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
 from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.placement import OPTIMIZER_PLACES, place_states
 from lightning_roundpipe.runtime.profile import records_complete
-from lightning_roundpipe.runtime.resident import OPTIMIZER_PLACES, place_states
 from lightning_roundpipe.runtime.workers import PipelineAborted
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, StagePlan
 
@@ -71,10 +71,8 @@ class PipelineEngine:
             previous update on the calling thread (paper section 4.3.2's blocking baseline; same numerics).
         double_buffer: a second compute copy of ``"all"``/``True`` trainable groups, of the plan's
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
-        optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device,
-            within ``memory_limit``: :mod:`~lightning_roundpipe.runtime.resident`), ``"auto"`` (there where they fit)
-            or a share in (0, 1) of the trainable parameters, the deepest groups', on the device (the rest's on the
-            host).
+        optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device:
+            :mod:`~lightning_roundpipe.runtime.resident`), ``"auto"`` (there where they fit) or a share in (0, 1).
     """
 
     def __init__(

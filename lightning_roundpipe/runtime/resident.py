@@ -42,64 +42,9 @@ from torch import Tensor, nn
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.placement import STATE_BYTES, resident_bytes
 from lightning_roundpipe.runtime.profile import TransferRate
 from lightning_roundpipe.runtime.shadow import GroupSync, optimizer_over, steps_apart
-
-OPTIMIZER_PLACES = ("host", "device", "auto")
-AUTO_SHARE = 0.5
-"""``optimizer_on="auto"`` keeps the states on the device when they take at most this share of what it may use."""
-STATE_BYTES = 8
-"""The optimizer's state bytes a parameter planned for: AdamW's two fp32 moments (amsgrad's third, or a kernel's
-temporaries, come on top)."""
-
-
-def resident_bytes(store: HostStore, state_bytes_per_parameter: int = STATE_BYTES, groups: Any = None) -> int:
-    """Device bytes the resident states of ``groups`` (default: every trainable one) take: masters, gradients,
-    two compute copies, and the optimizer's states (planned at :data:`STATE_BYTES` a parameter; they exist from
-    the first update on)."""
-    total = 0
-    for group in store.groups:
-        if group.trainable and (groups is None or group.index in groups):
-            n = group.data.numel()
-            total += n * (2 * group.data.element_size() + 2 * group.compute.element_size() + state_bytes_per_parameter)
-    return total
-
-
-def deepest_share(store: HostStore, share: float) -> tuple[int, ...]:
-    """The deepest trainable groups holding at most ``share`` of the trainable parameters (at least one): their
-    gradients complete first in a backward, so their updates on the device start first and the host's math on the
-    shallower ones follows as theirs complete."""
-    trainable = [g for g in store.groups if g.trainable]
-    total, held, taken = sum(g.data.numel() for g in trainable), 0, []
-    for group in reversed(trainable):
-        if taken and held + group.data.numel() > share * total:
-            break
-        taken.append(group.index)
-        held += group.data.numel()
-    return tuple(sorted(taken))
-
-
-def place_states(
-    optimizer_on: str | float,
-    store: HostStore,
-    devices: Any,
-    eligible: bool,
-    memory_limit: float | None,
-    transfers: TransferRate | None = None,
-) -> ResidentStates | None:
-    """The states on the device where ``optimizer_on`` says so, else ``None`` (the host). ``"auto"``: on the
-    device with one worker device, an engine that could (``eligible``: the asynchronous layerwise optimizer, no
-    fp16 autocast and so no loss scaling), a memory limit (a GPU), and states within :data:`AUTO_SHARE` of it.
-    A number in (0, 1): that share of the trainable parameters, the deepest groups', on the device, the rest's on
-    the host (where the host's step bounds the step and not every state fits)."""
-    if optimizer_on == "host":
-        return None
-    if not isinstance(optimizer_on, str):
-        return ResidentStates(store, devices[0], transfers, deepest_share(store, float(optimizer_on)))
-    fits = memory_limit is not None and resident_bytes(store) <= AUTO_SHARE * memory_limit
-    if optimizer_on == "auto" and not (len(devices) == 1 and eligible and fits):
-        return None
-    return ResidentStates(store, devices[0], transfers)
 
 
 class ResidentStates:
@@ -290,7 +235,7 @@ class ResidentStates:
             seen, self.optimizer = self._seen, optimizer
             self._states_from_host()
             if seen is not None:  # the states just taken are what the host holds
-                self._seen = (seen[0], self._state_view())
+                self._seen = (seen[0], _state_view(optimizer, self._pairs()))
 
     def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter, Tensor]]:
         """(parameter, its shadow on the device, its device gradient) of every trainable parameter."""
@@ -384,22 +329,7 @@ class ResidentStates:
 
     def _host_view(self) -> tuple[Any, ...]:
         """What the host holds, cheaply: the masters' version counters and the optimizer's state dict."""
-        return (tuple(self.store.groups[g].version() for g in self.groups), self._state_view())
-
-    def _state_view(self) -> tuple[int, int, int] | None:
-        """The state dict, the held parameters' entries and their tensors' version counters (an in-place edit
-        moves one; the host's own steps of the groups it keeps move theirs)."""
-        if self.optimizer is None:
-            return None
-        marks, entries, state = 0, 0, self.optimizer.state
-        for p, _, _ in self._pairs():
-            if (entry := state.get(p)) is None:
-                continue
-            entries, marks = entries + 1, marks + id(entry)
-            for value in entry.values() if isinstance(entry, dict) else ():
-                if isinstance(value, Tensor):
-                    marks += id(value) + value._version
-        return (id(state), entries, marks)
+        return (tuple(self.store.groups[g].version() for g in self.groups), _state_view(self.optimizer, self._pairs()))
 
     def rescue(self, step: int) -> None:
         """At the close after a failure, once no thread runs: the device's values to the host if it still
@@ -412,6 +342,22 @@ class ResidentStates:
                 f" to the host ({e!r}); the module holds those of the last checkpoint, validation or flush",
                 stacklevel=outside_package(),
             )
+
+
+def _state_view(optimizer: torch.optim.Optimizer | None, pairs: list[Any]) -> tuple[int, int, int] | None:
+    """The state dict, the held parameters' entries and their tensors' version counters (an in-place edit moves
+    one; the host's own steps of the groups it keeps move theirs, which are not looked at)."""
+    if optimizer is None:
+        return None
+    marks, entries, state = 0, 0, optimizer.state
+    for p, _, _ in pairs:
+        if (entry := state.get(p)) is None:
+            continue
+        entries, marks = entries + 1, marks + id(entry)
+        for value in entry.values() if isinstance(entry, dict) else ():
+            if isinstance(value, Tensor):
+                marks += id(value) + value._version
+    return (id(state), entries, marks)
 
 
 def _into(held: Any, value: Any) -> Any:
