@@ -127,10 +127,11 @@ def check_host_step(optimizers: list[Any], on_device: bool = False) -> None:
             break
 
 
-def check_coupling(optimizers: list[Any], num_nodes: int) -> list[str]:
+def check_coupling(optimizers: list[Any], num_nodes: int, split: bool = False) -> list[str]:
     """The optimizers stepped at once (their step couples their parameters, or the probe could not tell:
     :func:`~lightning_roundpipe.runtime.shadow.steps_apart`), each said once: the asynchronous updates wait for a
-    step's last gradient and step them at once. Several nodes, which each update their own groups, refuse them."""
+    step's last gradient and step them at once. Several nodes, which each update their own groups, refuse them,
+    as does a share of the states on the GPU (``split``: the device steps its groups apart from the host's)."""
     coupled = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
@@ -140,10 +141,11 @@ def check_coupling(optimizers: list[Any], num_nodes: int) -> list[str]:
         name = type(optimizer).__name__
         why = "couples its parameters (one step of all differs from steps of parts)" if apart is False else None
         why = why or "could not be tried on small CPU parameters, so whether it treats each parameter alone is unknown"
-        if num_nodes > 1:
+        if num_nodes > 1 or split:
+            parts = "roundpipe's nodes each update" if num_nodes > 1 else "the GPU and the host (a share) update"
             raise ValueError(
-                f"{name}'s step {why}, and roundpipe's nodes each update their own part of the model: use an"
-                " optimizer whose step treats each parameter alone (torch.optim's), or one node."
+                f"{name}'s step {why}, and {parts} their own part of the model: use an optimizer whose step treats"
+                " each parameter alone (torch.optim's), or one node and optimizer_on='host' or 'device'."
             )
         rank_zero_info(
             f"roundpipe: {name}'s step {why}, so each update waits for the step's last gradient and steps them at"

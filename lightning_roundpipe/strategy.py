@@ -187,13 +187,14 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             why = self.async_optimizer and needs_main_thread(self.lightning_module, self.optimizers, _is_overridden)
             if why:  # a hook or an optimizer the optimizer thread cannot serve
                 rank_zero_warn(why)
-                self.options = dataclasses.replace(self.options, async_optimizer=False)
+                self.options = dataclasses.replace(self.options, async_optimizer=False, optimizer_on="host")
         self._setup_engine(trainer, training=fitting)
         if fitting:
             use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
-            check_host_step(self.optimizers, on_device=self.engine is not None and self.engine.resident is not None)
-            if self.async_optimizer:
-                check_coupling(self.optimizers, self._nodes.count)
+            resident = self.engine.resident if self.engine is not None else None
+            check_host_step(self.optimizers, on_device=resident is not None and resident.whole)
+            if self.async_optimizer:  # (a share of the states on the GPU steps the rest apart, on the host)
+                check_coupling(self.optimizers, self._nodes.count, split=resident is not None and not resident.whole)
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:

@@ -672,3 +672,27 @@ def test_a_share_of_the_states_on_the_device_holds_the_deepest_groups_and_refuse
         engine.close()
     with pytest.raises(ValueError, match=r"optimizer_on=1\.5 is not one of"):
         PipelineEngine(list(mlp()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=1.5)
+
+
+@pytest.mark.timeout(60)
+def test_through_lightning_a_share_refuses_at_setup_what_only_the_host_or_one_place_could_step():
+    """A share of the states on the GPU leaves the rest to the host: an optimizer the host cannot step (a kernel
+    that needs a GPU) or one whose step couples its parameters is refused before the first batch, saying why."""
+    from helpers import BoringPipeline, fit
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    class NeedsAGpu(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("this kernel needs a CUDA device")
+
+    coupled = r"couples its parameters .*, and the GPU and the host \(a share\)"
+    for make, said in ((lambda p: make_optimizer(p, "counted"), coupled),
+                       (lambda p: NeedsAGpu(p, lr=0.1), "need a GPU cannot run there")):  # fmt: skip
+
+        class Module(BoringPipeline):
+            def configure_optimizers(self, make=make):
+                return make(self.parameters())
+
+        with pytest.raises(ValueError, match=said):
+            fit(Module, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on=0.5)})
