@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.state import engine_state
-from lightning_roundpipe.host_optimizer import needs_a_gpu, use_fused_kernels
+from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
@@ -224,3 +224,14 @@ def needs_main_thread(module: Any, optimizers: list[Any], is_overridden: Any) ->
                 " synchronous optimizer (async_optimizer=False)."
             )
     return None
+
+
+def check_optimizers(optimizers: list[Any], engine: PipelineEngine | None, num_nodes: int, asynchronous: bool) -> None:
+    """Once the engine is built: the host's step at full speed (unless chosen otherwise), and refused where the
+    host cannot step it (where it steps any group) or cannot step its groups apart (several nodes, or a share of
+    the states on the GPU stepping the rest apart), before the first batch."""
+    use_fused_kernels(optimizers)
+    resident = engine.resident if engine is not None else None
+    check_host_step(optimizers, on_device=resident is not None and resident.whole)
+    if asynchronous:
+        check_coupling(optimizers, num_nodes, split=resident is not None and not resident.whole)

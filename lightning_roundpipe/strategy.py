@@ -27,6 +27,7 @@ from lightning_roundpipe.build import (
     EngineArguments,
     build_again,
     build_engine,
+    check_optimizers,
     fresh_engine,
     needs_main_thread,
     setup_optimizers,
@@ -34,7 +35,7 @@ from lightning_roundpipe.build import (
 from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
-from lightning_roundpipe.host_optimizer import HostStepClock, check_coupling, check_host_step, use_fused_kernels
+from lightning_roundpipe.host_optimizer import HostStepClock, use_fused_kernels
 from lightning_roundpipe.models import quantized
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
@@ -190,11 +191,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
                 self.options = dataclasses.replace(self.options, async_optimizer=False, optimizer_on="host")
         self._setup_engine(trainer, training=fitting)
         if fitting:
-            use_fused_kernels(self.optimizers)  # the host step at full speed, unless chosen otherwise
-            resident = self.engine.resident if self.engine is not None else None
-            check_host_step(self.optimizers, on_device=resident is not None and resident.whole)
-            if self.async_optimizer:  # (a share of the states on the GPU steps the rest apart, on the host)
-                check_coupling(self.optimizers, self._nodes.count, split=resident is not None and not resident.whole)
+            check_optimizers(self.optimizers, self.engine, self._nodes.count, self.async_optimizer)
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:
