@@ -696,3 +696,27 @@ def test_through_lightning_a_share_refuses_at_setup_what_only_the_host_or_one_pl
 
         with pytest.raises(ValueError, match=said):
             fit(Module, {"accelerator": "cpu", "devices": 1, "strategy": RoundPipeStrategy(optimizer_on=0.5)})
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_after_an_announced_last_batch_saves_every_groups_copy_alike_with_a_share():
+    """Between a step's announced last batch and its update (an exception checkpoint), the host's groups' compute
+    copies hold the previous update (``settle_early_casts``); with a share on the device its groups' copies were
+    saved one update behind, so a run resumed from there started on a mix of both."""
+    model, data = mlp(), batches(3)
+    opt = make_optimizer(model.parameters())
+    engine = PipelineEngine(
+        list(model), [WorkerDevice("cpu")], microbatches_per_round=2, asynchronous=True, optimizer_on=0.5
+    )
+    try:
+        for t, [(x, y)] in enumerate(data):
+            engine.train_batch(x, y, F.mse_loss, last_of_step=True)
+            if t < 2:
+                engine.submit_step(UpdateSpec.capture(opt))
+        state = engine.state_dict()
+        saved = state["compute"]
+        assert 0 < len(engine.resident.held) < len(saved)
+        for g, copy_ in saved.items():  # each the masters (every submitted update) in the compute dtype
+            assert torch.equal(copy_, engine.store.groups[g].data.to(copy_.dtype)), g
+    finally:
+        engine.close()

@@ -52,6 +52,12 @@ def engine_state(engine: PipelineEngine, compute: bool = True) -> dict[str, Any]
         state["compute"] = {
             g: (stash[g] if g in stash else engine.store.reads(g, steps.step)).clone() for g in steps.trainable
         }
+        resident = engine.resident
+        if resident is not None and not resident.whole and steps.windows[steps.step].closed.is_set():
+            for g in resident.held:  # after a step's announced last batch the host's groups hold the previous
+                if g not in stash:  # update (settle_early_casts): the device's share alike, not one update behind
+                    group = engine.store.groups[g]
+                    state["compute"][g] = group.data.to(group.compute.dtype, copy=True)
     return state
 
 
