@@ -672,6 +672,12 @@ def test_a_share_of_the_states_on_the_device_holds_the_deepest_groups_and_refuse
         engine.close()
     with pytest.raises(ValueError, match=r"optimizer_on=1\.5 is not one of"):
         PipelineEngine(list(mlp()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=1.5)
+    engine = PipelineEngine(list(mlp()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=0.5, double_buffer=True)
+    try:  # double buffering for the host's groups (the device holds two copies of its own)
+        spares = {g.index: g.spare is not None for g in engine.store.groups if g.trainable}
+        assert spares == {g: g not in engine.resident.held for g in spares}
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(60)

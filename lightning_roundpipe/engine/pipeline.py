@@ -126,7 +126,7 @@ class PipelineEngine:
                     self.pool.register(tensor)
         self.steps = StepChain(
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan,
-            buffers if self.resident is None else "none",  # (the device's two copies are what double buffering gives)
+            buffers, frozenset() if self.resident is None else self.resident.held,  # (held: two copies there)
         )  # fmt: skip
         self.crew.when_aborted(self.steps.open_gates)
         self.recovery = Recovery(self.planner, self.steps, self.store, self.crew)

@@ -41,6 +41,7 @@ class StepChain:
         plan: the first batch's plan (with ``double_buffer="first"``, its first slot's groups get spares).
         double_buffer: one of :data:`DOUBLE_BUFFERS`: spare compute copies of every trainable group, of
             the plan's first slot's (grown at a step's start when the plan changes), or none.
+        held: groups whose states the device holds (their two copies there are what double buffering gives).
     """
 
     def __init__(
@@ -52,9 +53,10 @@ class StepChain:
         fail: Callable[[], None],
         plan: StagePlan,
         double_buffer: str = "none",
+        held: frozenset[int] = frozenset(),
     ) -> None:
         self.store, self.pool, self.abort, self.optimizer, self.fail = store, pool, abort, optimizer, fail
-        self.double_buffer = double_buffer
+        self.double_buffer, self.held = double_buffer, held
         self.step = 0
         """Optimizer step the next batch belongs to (asynchronous mode)."""
         self.trainable = tuple(g.index for g in store.groups if g.trainable)
@@ -66,9 +68,9 @@ class StepChain:
         self._job_gates: list[Gate] = []
         self._slot_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         if double_buffer == "all":
-            store.add_spares(prepare=pool.register)
+            store.add_spares([g for g in self.trainable if g not in held], prepare=pool.register)
         elif double_buffer == "first":  # no batch yet: any time is right
-            store.add_spares(self.slot_groups(plan)[0], prepare=pool.register)
+            store.add_spares([g for g in self.slot_groups(plan)[0] if g not in held], prepare=pool.register)
 
     @property
     def asynchronous(self) -> bool:
@@ -129,7 +131,7 @@ class StepChain:
         """
         if self.double_buffer != "first" or self.windows[self.step].flights:
             return
-        new = [g for g in self.slot_groups(plan)[0] if self.store.groups[g].spare is None]
+        new = [g for g in self.slot_groups(plan)[0] if self.store.groups[g].spare is None and g not in self.held]
         if not new:
             return
         pending = self.cast_done.get(self.step - 2, {})
