@@ -72,6 +72,7 @@ class ResidentStates:
         self._viewing = threading.Lock()  # the optimizer thread's first update sets what the main thread compares
         self._mirror_stream: Any = None  # the masters' copies to the host after each update
         self._mirrored: dict[int, Any] = {}  # per group, the last of them
+        self._written: dict[int, Any] = {}  # per group, the gradients-down stream after its last gradient write
         self._room: dict[int, Tensor] = {}
         """Per group, until its first update: the bytes its optimizer states will take, held on the optimizer's
         stream, so that they come from this block (freed to that stream's cache just before the group's first
@@ -105,6 +106,13 @@ class ResidentStates:
             self.grad[g].copy_(grad)
         else:
             self.grad[g].add_(grad)
+
+    def written(self, groups: Any, event: Any) -> None:
+        """After the gradients-down stream's writes into ``groups`` (``event``): an update of one waits for it on
+        the device too. The host's gates already order the writes they count; a batch run again after running out
+        of memory counts its queued writes as landed without a gate of its own."""
+        for g in groups:
+            self._written[g] = event
 
     # ------------------------------------------------------------------ updates (the optimizer thread)
     def update(
@@ -147,6 +155,8 @@ class ResidentStates:
                 for g in part:
                     if g in self._mirrored:  # the host's copy of the last update has been read out of the master
                         dev.wait(self.stream, self._mirrored[g])
+                    if g in self._written:  # the gradient's last write (edge 3 on the device)
+                        dev.wait(self.stream, self._written[g])
                     if spec.clip_value is not None and spec.clip_algorithm == "value":
                         self.grad[g].clamp_(-spec.clip_value, spec.clip_value)
                     elif coefficient < 1.0:
@@ -233,7 +243,7 @@ class ResidentStates:
             return
         with self._viewing:  # the main thread's look at the host never sees the optimizer without its states' view
             seen, self.optimizer = self._seen, optimizer
-            self._states_from_host()
+            _states_from_host(self._shadow, self.optimizer, self._pairs(), self.device.device)
             if seen is not None:  # the states just taken are what the host holds
                 self._seen = (seen[0], _state_view(optimizer, self._pairs()))
 
@@ -271,7 +281,7 @@ class ResidentStates:
                 self.master[g].copy_(self.store.groups[g].data)
                 self.reads(g, step + 1).copy_(self.master[g])  # the masters hold every update before ``step``
             if self._shadow is not None and self._sync is not None:
-                self._states_from_host()
+                _states_from_host(self._shadow, self.optimizer, self._pairs(), self.device.device)
                 self._sync.from_host()
         dev.host_wait(dev.record(self.stream))
         if self.transfers is not None:
@@ -311,22 +321,6 @@ class ResidentStates:
         dev.host_wait(dev.record(self.stream))
         self._seen, self._ahead = self._host_view(), False
 
-    def _states_from_host(self) -> None:
-        assert self._shadow is not None and self.optimizer is not None
-        device, cpu = self.device.device, torch.device("cpu")
-        on_device = {  # torch keeps a step count on the device only for its fused and capturable kernels
-            id(sp): bool(group.get("fused") or group.get("capturable"))
-            for group in self._shadow.param_groups
-            for sp in group["params"]
-        }
-        self._shadow.state.clear()
-        for p, sp, _ in self._pairs():
-            saved = self.optimizer.state.get(p)
-            if saved:
-                self._shadow.state[sp] = {
-                    k: _to(v, device if k != "step" or on_device[id(sp)] else cpu) for k, v in saved.items()
-                }
-
     def _host_view(self) -> tuple[Any, ...]:
         """What the host holds, cheaply: the masters' version counters and the optimizer's state dict."""
         return (tuple(self.store.groups[g].version() for g in self.groups), _state_view(self.optimizer, self._pairs()))
@@ -342,6 +336,21 @@ class ResidentStates:
                 f" to the host ({e!r}); the module holds those of the last checkpoint, validation or flush",
                 stacklevel=outside_package(),
             )
+
+
+def _states_from_host(shadow: Any, optimizer: Any, pairs: list[Any], device: torch.device) -> None:
+    """The host's optimizer states of the held parameters into the shadow's, on ``device``."""
+    on_device = {  # torch keeps a step count on the device only for its fused and capturable kernels
+        id(sp): bool(group.get("fused") or group.get("capturable"))
+        for group in shadow.param_groups
+        for sp in group["params"]
+    }
+    shadow.state.clear()
+    for p, sp, _ in pairs:
+        saved = optimizer.state.get(p)
+        if saved:
+            where = {k: device if k != "step" or on_device[id(sp)] else torch.device("cpu") for k in saved}
+            shadow.state[sp] = {k: _to(v, where[k]) for k, v in saved.items()}
 
 
 def _state_view(optimizer: torch.optim.Optimizer | None, pairs: list[Any]) -> tuple[int, int, int] | None:

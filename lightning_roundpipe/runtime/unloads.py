@@ -149,6 +149,7 @@ class GradientUnloads:
                 resident.write_gradient(g, grad, g in overwrite)
                 if grad is not None:
                     dev.keep_alive(grad, dev.grad_down)
+        resident.written(groups, dev.record(dev.grad_down))
         flight.host_writes.groups_landed(key, groups)
 
     def _add_on_device(self, source: Tensor, host: Tensor, start: int, stop: int) -> None:
