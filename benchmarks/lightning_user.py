@@ -571,6 +571,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_gib_cap": args.gpu_gib or None,
         "cache_releases": getattr(trainer.strategy, "_last_engine", {}).get("cache_releases"),
         "optimizer_states": getattr(trainer.strategy, "_last_engine", {}).get("optimizer_states"),
+        "resident_gib": getattr(trainer.strategy, "_last_engine", {}).get("resident_gib"),
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
@@ -859,7 +860,8 @@ class _Remember(L.Callback):
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
             "cache_releases": engine.caches.releases,
-            "optimizer_states": "device" if engine.resident is not None else "host",
+            "optimizer_states": "host" if engine.resident is None else "device" if engine.resident.whole else "share",
+            "resident_gib": 0.0 if engine.resident is None else engine.resident.need / GiB,  # the states on the GPU
             "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
             "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds
