@@ -283,10 +283,7 @@ class OptimizerWorker:
             working += time.perf_counter() - start
         if norm and not skip:
             start = time.perf_counter()
-            if exchange is not None:
-                total = exchange.global_norm()
-            else:
-                total = math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in groups))
+            total = exchange.global_norm() if exchange is not None else self._norm(job, groups)  # (waits: done)
             self.grad_norms.append((job.step, total))
             if clip_norm:
                 assert job.spec.clip_value is not None
