@@ -39,6 +39,7 @@
 #        bnb8 (bitsandbytes' AdamW8bit on the host and on the GPU, against torch's AdamW)
 #        partial-24gib (issue 39: AdamW's math skipped on a share of the parameters, the plan sized for their states)
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
+#        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
@@ -284,6 +285,14 @@ for step in "${steps[@]}"; do
       run share-24gib 590 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-share0.35,newcomer-share0.25,newcomer --warmup 20 --steps 6 --config-timeout 185 \
         --host-trace --out "$OUT/share-24gib.json" ;;
+    share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
+      # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
+      # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved
+      # plan costs more than the host saves; says whether "auto" may pick a share without timing the host. About 520 s
+      run share-32-24gib 280 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 32 --gpu-gib 24 \
+        --configs newcomer-share0.3,newcomer --warmup 10 --steps 4 --config-timeout 135 --out "$OUT/share-32-24gib.json"
+      run share-fixed-24gib 260 python benchmarks/lightning_user.py --gpu-gib 24 --configs newcomer-share0.3,newcomer \
+        --warmup 12 --steps 6 --config-timeout 125 --out "$OUT/share-fixed-24gib.json" ;;
     defaults-rest)  # the new default elsewhere: fixed 32 x 2048 on the full card (expected 49.5-51k, as
       # newcomer-devopt's 50,502), 32 a step of the varlen data (expected above the host's 41,377), and 8 a step at
       # 24 GiB, where the 32 GiB of states do not fit and "auto" keeps the host (expected 15-21k as before). About 330 s
