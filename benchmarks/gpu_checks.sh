@@ -39,6 +39,7 @@
 #        bnb8 (bitsandbytes' AdamW8bit on the host and on the GPU, against torch's AdamW)
 #        partial-24gib (issue 39: AdamW's math skipped on a share of the parameters, the plan sized for their states)
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
+#        auto-share-24gib (issue 39: every default, "auto" moving a share where the host bounds the step, against the host)
 #        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
@@ -285,6 +286,12 @@ for step in "${steps[@]}"; do
       run share-24gib 590 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-share0.35,newcomer-share0.25,newcomer --warmup 20 --steps 6 --config-timeout 185 \
         --host-trace --out "$OUT/share-24gib.json" ;;
+    auto-share-24gib)  # issue 39 at 24 GiB, 8 a step: every default, where "auto" moves a share of the states to the
+      # GPU once the host's step bounds the step (host_clock.ShareSwitch), against the states on the host (the default
+      # before it). Expected: the switch near step 10, kept, about 0.3 (half of the 19.2 GiB limit); 1.15-1.35x the host
+      # (newcomer-skip0.35-gm0.333 gave 1.17x on one H100); NVML within 24 GiB. About 300 s
+      run auto-share-24gib 380 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer,newcomer-hostopt --warmup 26 --steps 6 --config-timeout 185 --out "$OUT/auto-share-24gib.json" ;;
     share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
       # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
       # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved

@@ -572,6 +572,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "cache_releases": getattr(trainer.strategy, "_last_engine", {}).get("cache_releases"),
         "optimizer_states": getattr(trainer.strategy, "_last_engine", {}).get("optimizer_states"),
         "resident_gib": getattr(trainer.strategy, "_last_engine", {}).get("resident_gib"),
+        "share_switch": getattr(trainer.strategy, "_last_engine", {}).get("share_switch"),
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
@@ -862,6 +863,7 @@ class _Remember(L.Callback):
             "cache_releases": engine.caches.releases,
             "optimizer_states": "host" if engine.resident is None else "device" if engine.resident.whole else "share",
             "resident_gib": 0.0 if engine.resident is None else engine.resident.need / GiB,  # the states on the GPU
+            "share_switch": trainer.strategy._share.outcome,  # "auto" moved a share to the GPU: paces, kept or not
             "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
             "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds

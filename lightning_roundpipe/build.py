@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, 
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
-from lightning_roundpipe.runtime.placement import AUTO_SHARE, resident_bytes
+from lightning_roundpipe.runtime.placement import AUTO_SHARE, deepest_share, resident_bytes
 from lightning_roundpipe.runtime.shadow import wrapped_optimizer
 
 
@@ -127,6 +127,41 @@ def build_again(engine: PipelineEngine, arguments: EngineArguments) -> PipelineE
         " parameters trainable now (its layers are measured again)"
     )
     return again
+
+
+def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str | float) -> PipelineEngine | None:
+    """Between optimizer steps, the engine built again with its optimizer's states where ``place`` says (a share
+    of them on the GPU, or the host): the pending update lands first, the counters, plan and measured layer costs
+    carry over (nothing is measured again), and the plan is chosen again for what the states leave of the device.
+    ``None`` (the engine as it was) where no batch may come between, or no plan fits beside those states."""
+    planner, store = engine.planner, engine.store
+    if not engine.steps.between_steps():
+        return None
+    if planner.profile is None and planner.fitted is not None and planner.memory_limit is not None:
+        before = planner.memory_limit
+        limit = before + (0 if engine.resident is None else engine.resident.need)  # the device's, states and plan
+        held = resident_bytes(store, groups=deepest_share(store, place)) if not isinstance(place, str) else 0
+        if planner.plan_for_memory(store, limit - held) is None:
+            return None
+        planner.plan_for_memory(store, before)  # (the running plan's costs again: what the state saves)
+    engine.flush()
+    state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
+    again = _rebuilt(engine, replace(arguments, options=replace(arguments.options, optimizer_on=place)))
+    again.load_state_dict(state)
+    planner = again.planner
+    if planner.profile is None and (plan := planner.plan_for_memory(again.store, planner.memory_limit)) is not None:
+        again.set_plan(plan)  # (measuring: it plans under the new limit after)
+    return again
+
+
+def could_share(engine: PipelineEngine, arguments: EngineArguments) -> bool:
+    """Whether ``optimizer_on="auto"`` left the states on the host only because they take more than
+    :data:`AUTO_SHARE` of the one GPU's limit, so that a share of them may go there (:mod:`host_clock`)."""
+    precision, options = arguments.precision, arguments.options
+    place, _ = _place(options.optimizer_on, arguments.num_nodes, precision.autocast_dtype, arguments.optimizers)
+    eligible = engine.asynchronous and engine.consistency == "layerwise" and engine.crew.optimizer is not None
+    one_gpu = len(engine.devices) == 1 and engine.caches.ceiling is not None
+    return place == "auto" and engine.resident is None and eligible and one_gpu
 
 
 def fresh_engine(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:

@@ -1,4 +1,4 @@
-"""The host optimizer at full speed: torch's fused CPU kernels by default, and its step time watched.
+"""The host optimizer at full speed: torch's fused CPU kernels by default.
 
 Master weights live on the host, so the optimizer steps there. With ``fused`` and ``foreach`` left unset
 torch's Adam, AdamW, SGD and Adagrad take their one-tensor-at-a-time loop on the CPU: on the GPU
@@ -8,21 +8,17 @@ rounding may differ), several times faster. :func:`use_fused_kernels` switches e
 that left both unset to the fused kernel; an explicit choice is kept, with one warning that gives its
 measured cost. A fused kernel is used only where it agrees with the unfused step for the parameters'
 dtype on a small probe (torch 2.13's fused CPU SGD leaves bf16 and fp16 parameters unchanged).
-:func:`check_host_step` refuses, at setup, an optimizer the host step cannot run. :class:`HostStepClock`
-compares the host's step with the devices' and says, once, when the host is the slower of the two.
+:func:`check_host_step` refuses, at setup, an optimizer the host step cannot run. Its step against the devices'
+is watched by :mod:`~lightning_roundpipe.host_clock`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import re
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator
-from statistics import median
 from typing import Any
 
 import torch
@@ -315,86 +311,3 @@ def step_seconds(optimizer: torch.optim.Optimizer, group: dict[str, Any], fused:
         scratch.step()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-class HostStepClock:
-    """The host optimizer's step time, against the devices' time for one optimizer step of compute.
-
-    When the host's step is the longer one the GPUs wait for it, even with the asynchronous optimizer
-    (which hides it only behind the next step's compute): say so once, with both times and what to do.
-    Judged on settled steps only: the first allocates the optimizer's states, and the first batches
-    compile and measure. Judged on any step, this warned on the H200 of runs whose host step settled at a
-    fifth to a half of the devices' (2.39 against 2.26 s, settling at 0.51 for the 1.7B shape; 12.35
-    against 6.24, settling at 2.64 for the 8B); then the median of :attr:`window` steps, so that one slow
-    step (a compile, the page cache) does not warn either.
-    """
-
-    settle = 2
-    """Steps not judged at the start."""
-    window = 3
-    """Steps whose median is judged."""
-
-    def __init__(self) -> None:
-        self.host_step_s: float | None = None
-        """Seconds of the last measured host optimizer step (its math; casts into compute copies excluded)."""
-        self._warned = False
-        self._steps = 0
-        self._last_step: int | None = None
-        self._recent: deque[float] = deque(maxlen=self.window)
-
-    @contextlib.contextmanager
-    def timing(self, device_step_s: float | None, optimizer: Any) -> Iterator[Callable[[Callable[[], Any]], Any]]:
-        """Synchronous mode: time an optimizer step, less the closure it runs (the pipeline's batch)::
-
-        with clock.timing(device_s, optimizer) as timed:
-            super().optimizer_step(optimizer, timed(closure), ...)
-        """
-        inside = [0.0]
-
-        def timed(closure: Callable[[], Any]) -> Callable[[], Any]:
-            def run() -> Any:
-                start = time.perf_counter()
-                try:
-                    return closure()
-                finally:
-                    inside[0] += time.perf_counter() - start
-
-            return run
-
-        start = time.perf_counter()
-        yield timed
-        self.record(None, time.perf_counter() - start - inside[0], device_step_s, optimizer)
-
-    def update(self, last: tuple[int, float] | None, device_step_s: float | None, optimizer: Any = None) -> None:
-        """Asynchronous mode: the optimizer thread's last update, ``(step, seconds)``, once it has one."""
-        if last is not None:
-            self.record(*last, device_step_s, optimizer)
-
-    def record(
-        self, step: int | None, host_step_s: float | None, device_step_s: float | None, optimizer: Any = None
-    ) -> None:
-        """A host step's seconds (``step``: its number, so that an update seen again is not counted twice;
-        ``None``: a new one each call) against the devices' seconds per optimizer step."""
-        if host_step_s is None or (step is not None and step == self._last_step):
-            return
-        self._last_step, self.host_step_s, self._steps = step, host_step_s, self._steps + 1
-        if self._steps <= self.settle:
-            return
-        self._recent.append(host_step_s)
-        if self._warned or device_step_s is None or device_step_s <= 0 or len(self._recent) < self.window:
-            return
-        host_step_s = median(self._recent)
-        if host_step_s <= 1.05 * device_step_s:
-            return
-        self._warned = True
-        name = type(getattr(optimizer, "_optimizer", optimizer)).__name__ if optimizer is not None else "the optimizer"
-        warnings.warn(
-            f"roundpipe: the host optimizer step ({name}) takes {host_step_s:.2f} s, longer than the"
-            f" {device_step_s:.2f} s the devices compute per optimizer step, so the GPUs wait for the host"
-            " even with the asynchronous optimizer. Use a fused optimizer kernel (torch's Adam, AdamW, SGD or"
-            " Adagrad with `fused` and `foreach` unset or fused=True), train fewer parameters (LoRA), or put"
-            " more tokens into each optimizer step (a larger batch or accumulate_grad_batches). On one GPU,"
-            " RoundPipeStrategy(optimizer_on='device') steps it there where its states fit (the default 'auto'"
-            " does so for torch.optim's within half of gpu_memory).",
-            stacklevel=outside_package(),
-        )

@@ -28,6 +28,7 @@ from lightning_roundpipe.build import (
     build_again,
     build_engine,
     check_optimizers,
+    could_share,
     fresh_engine,
     needs_main_thread,
     setup_optimizers,
@@ -35,7 +36,8 @@ from lightning_roundpipe.build import (
 from lightning_roundpipe.callbacks import FlushFirst
 from lightning_roundpipe.discovery import pipelined_layers
 from lightning_roundpipe.engine import PipelineEngine
-from lightning_roundpipe.host_optimizer import HostStepClock, use_fused_kernels
+from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
+from lightning_roundpipe.host_optimizer import use_fused_kernels
 from lightning_roundpipe.models import quantized
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
@@ -125,7 +127,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self.measure_grad_norm = False  # async: each step's gradient norm on the optimizer thread (the monitor's)
         self.kernels: list[str] = []  # the faster kernels bound onto a Hugging Face model at setup
         self._calls: PipelineCalls | None = None
-        self._host_clock = HostStepClock()
+        self._host_clock, self._share = HostStepClock(), ShareSwitch()  # (auto: a share of the states to the GPU)
+        self._host_clock.on_bound = lambda host, device: self._share.offer(self.engine, host, device)
 
     @property
     def async_optimizer(self) -> bool:
@@ -192,6 +195,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self._setup_engine(trainer, training=fitting)
         if fitting:
             check_optimizers(self.optimizers, self.engine, self._nodes.count, self.async_optimizer)
+            self._share.watch(could_share(self.engine, _engine_arguments(self)))
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:
@@ -236,6 +240,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         assert self._calls is not None and self.engine is not None
         # a new engine if parameters were frozen or unfrozen between steps (BackboneFinetuning)
         self.engine = self._calls.engine = build_again(self.engine, _engine_arguments(self))
+        self._share.apply(self, _engine_arguments(self))  # where the host's step bounds the step: see host_clock
         with self._calls.training_step():
             output = super().training_step(*args, **kwargs)
         self._calls.check_output(output)

@@ -12,7 +12,7 @@ import torch
 from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
 
 from lightning_roundpipe import RoundPipeStrategy
-from lightning_roundpipe.host_optimizer import HostStepClock, use_fused_kernels
+from lightning_roundpipe.host_optimizer import use_fused_kernels
 
 
 class Spy(L.Callback):
@@ -85,29 +85,6 @@ def test_every_torch_optimizer_with_a_fused_cpu_kernel_gets_it_and_others_are_le
             p.grad = torch.ones_like(p)
         optimizer.step()  # the fused kernel accepts what was switched after construction
     assert others[0].param_groups[0]["foreach"] is None and others[1].param_groups[0]["fused"] is None
-
-
-def test_a_host_step_longer_than_the_devices_is_reported_once_when_settled():
-    clock = HostStepClock()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        clock.record(1, 12.0, 1.0)  # the first steps allocate the optimizer's states: not judged
-        clock.record(2, 9.0, 1.0)
-        for step in range(3, 8):
-            clock.record(step, 0.5, 1.0)  # hidden behind the devices' step: nothing to say
-        clock.record(8, 3.0, 1.0)  # one slow step among settled ones (the median of three is 0.5)...
-        assert clock.host_step_s == 3.0
-        clock.record(8, 3.0, 1.0)  # ...and the same update seen again is not counted twice
-        clock.record(9, 2.0, None)  # the devices' step not measured yet
-    with pytest.warns(UserWarning, match=r"takes 3.00 s, longer than the 1.00 s the devices compute"):
-        clock.record(10, 3.0, 1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        clock.record(11, 3.0, 1.0)  # once
-    synchronous = HostStepClock()  # no step numbers: each call is a step of its own
-    with pytest.warns(UserWarning, match=r"takes 2.00 s"):
-        for _ in range(synchronous.settle + synchronous.window):
-            synchronous.record(None, 2.0, 1.0)
 
 
 def test_the_strategy_reports_its_host_step_time():

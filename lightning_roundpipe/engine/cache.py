@@ -110,8 +110,6 @@ class CacheWatch:
         """Called before batch ``call`` (of ``samples``) is dispatched: the plan to switch to (a smaller one
         to try, or the one before a trial that did not pay), with a warning saying why; ``None`` to stay."""
         self.release_over_limit()
-        if self.stopped:
-            return None
         now, releases = self.clock(), self._frees() - self._own
         last, self._last = self._last, releases
         planner = self.planner
@@ -128,7 +126,7 @@ class CacheWatch:
         self._times.append([now, samples, call, 0.0])
         if len(self._times) > 1:  # the interval that just ended ran on this plan, settled
             self._streak = self._streak + 1 if last is not None and releases > last else 0
-        if len(self._times) <= self.window:
+        if self.stopped or len(self._times) <= self.window:  # (stopped: still timed, for :meth:`pace`)
             return None
         if self._trial is not None:
             return self._judge(self._trial)
@@ -165,6 +163,11 @@ class CacheWatch:
         language model, padding trimmed): the work its interval is timed by."""
         if self._times and self._times[-1][2] == call:
             self._times[-1][3] = elements
+
+    def pace(self) -> float | None:
+        """Seconds per input element over the last :attr:`window` settled intervals of the running plan, not on
+        trial; ``None`` until there are that many."""
+        return self._pace() if self._trial is None and len(self._times) > self.window else None
 
     def _pace(self) -> float:
         """Seconds per unit of work between the first and the last dispatch of the window: per input element

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
 OPTIMIZER_PLACES = ("host", "device", "auto")
 AUTO_SHARE = 0.5
 """``optimizer_on="auto"`` keeps the states on the device when they take at most this share of what it may use."""
+SHARE_FLOOR = 0.1
+"""The least share ``"auto"`` moves to the device where the host's step bounds the step (:func:`share_for`): a
+smaller one takes little off the host and still halves what the plan may use."""
+SHARE_TARGET = 0.8
+"""What ``"auto"``'s share brings the host's step to, of the devices' (the smaller plan the states leave makes the
+devices slower)."""
 STATE_BYTES = 8
 """The optimizer's state bytes a parameter planned for: AdamW's two fp32 moments (amsgrad's third, or a kernel's
 temporaries, come on top)."""
@@ -43,6 +49,18 @@ def deepest_share(store: HostStore, share: float) -> tuple[int, ...]:
         taken.append(group.index)
         held += group.data.numel()
     return tuple(sorted(taken))
+
+
+def share_for(store: HostStore, memory_limit: float | None, host_s: float, device_s: float) -> float | None:
+    """The share of the trainable parameters whose states ``"auto"`` moves to the device when its host step
+    (``host_s``) is longer than the devices' (``device_s``): the host's work that brings it to
+    :data:`SHARE_TARGET` of theirs, at most what fits in :data:`AUTO_SHARE` of the device's limit; ``None`` where
+    that is under :data:`SHARE_FLOOR` (the host's step then stays and bounds the step)."""
+    states = resident_bytes(store)
+    if memory_limit is None or states <= 0 or host_s <= 0:
+        return None
+    share = min(1.0 - SHARE_TARGET * device_s / host_s, AUTO_SHARE * memory_limit / states)
+    return share if share >= SHARE_FLOOR else None
 
 
 def place_states(

@@ -1,0 +1,193 @@
+"""The host optimizer's step against the GPUs': said once where the host is the slower of the two, or, under
+``optimizer_on="auto"`` on one GPU whose memory cannot hold every state, a share of them moved there.
+
+With the states on the host the asynchronous optimizer hides the host's step only behind the next step's
+compute. Where the batches are short (8 sequences of 256-4096 tokens a step, the 1.7B shape, one H100 capped at
+24 GiB, 2026-12-07) AdamW's math takes longer than the devices' step and they wait for it: 18,447 real tokens/s.
+Skipping the math of the deepest 35% of the parameters (as if their states were on the GPU) and planning for what
+their states would leave ran 21,664. :class:`ShareSwitch` does that for real where the clock judges the host the
+slower: the deepest share that brings the host's step under the devices' (at most half of ``gpu_memory``) goes to
+the GPU, and is kept only where it runs faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from statistics import median
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_roundpipe.build import EngineArguments, build_placed
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.engine.cache import CacheWatch
+from lightning_roundpipe.runtime.callers import outside_package
+from lightning_roundpipe.runtime.placement import share_for
+
+
+class HostStepClock:
+    """The host optimizer's step time, against the devices' time for one optimizer step of compute.
+
+    When the host's step is the longer one the GPUs wait for it, even with the asynchronous optimizer
+    (which hides it only behind the next step's compute): say so once, with both times and what to do.
+    Judged on settled steps only: the first allocates the optimizer's states, and the first batches
+    compile and measure. Judged on any step, this warned on the H200 of runs whose host step settled at a
+    fifth to a half of the devices' (2.39 against 2.26 s, settling at 0.51 for the 1.7B shape; 12.35
+    against 6.24, settling at 2.64 for the 8B); then the median of :attr:`window` steps, so that one slow
+    step (a compile, the page cache) does not warn either.
+    """
+
+    settle = 2
+    """Steps not judged at the start."""
+    window = 3
+    """Steps whose median is judged."""
+
+    def __init__(self) -> None:
+        self.host_step_s: float | None = None
+        """Seconds of the last measured host optimizer step (its math; casts into compute copies excluded)."""
+        self._warned = False
+        self._steps = 0
+        self._last_step: int | None = None
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self.on_bound: Callable[[float, float], bool] | None = None
+        """Asked first when the host's step is judged the longer, with both times: ``True`` when it acts instead
+        of the warning (:meth:`ShareSwitch.offer`)."""
+
+    @contextlib.contextmanager
+    def timing(self, device_step_s: float | None, optimizer: Any) -> Iterator[Callable[[Callable[[], Any]], Any]]:
+        """Synchronous mode: time an optimizer step, less the closure it runs (the pipeline's batch)::
+
+        with clock.timing(device_s, optimizer) as timed:
+            super().optimizer_step(optimizer, timed(closure), ...)
+        """
+        inside = [0.0]
+
+        def timed(closure: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                start = time.perf_counter()
+                try:
+                    return closure()
+                finally:
+                    inside[0] += time.perf_counter() - start
+
+            return run
+
+        start = time.perf_counter()
+        yield timed
+        self.record(None, time.perf_counter() - start - inside[0], device_step_s, optimizer)
+
+    def update(self, last: tuple[int, float] | None, device_step_s: float | None, optimizer: Any = None) -> None:
+        """Asynchronous mode: the optimizer thread's last update, ``(step, seconds)``, once it has one."""
+        if last is not None:
+            self.record(*last, device_step_s, optimizer)
+
+    def record(
+        self, step: int | None, host_step_s: float | None, device_step_s: float | None, optimizer: Any = None
+    ) -> None:
+        """A host step's seconds (``step``: its number, so that an update seen again is not counted twice;
+        ``None``: a new one each call) against the devices' seconds per optimizer step."""
+        if host_step_s is None or (step is not None and step == self._last_step):
+            return
+        self._last_step, self.host_step_s, self._steps = step, host_step_s, self._steps + 1
+        if self._steps <= self.settle:
+            return
+        self._recent.append(host_step_s)
+        if self._warned or device_step_s is None or device_step_s <= 0 or len(self._recent) < self.window:
+            return
+        host_step_s = median(self._recent)
+        if host_step_s <= 1.05 * device_step_s:
+            return
+        if self.on_bound is not None and self.on_bound(host_step_s, device_step_s):
+            self._recent.clear()  # handled (a share of the states to the GPU): judged afresh on the steps after
+            return
+        self._warned = True
+        name = type(getattr(optimizer, "_optimizer", optimizer)).__name__ if optimizer is not None else "the optimizer"
+        warnings.warn(
+            f"roundpipe: the host optimizer step ({name}) takes {host_step_s:.2f} s, longer than the"
+            f" {device_step_s:.2f} s the devices compute per optimizer step, so the GPUs wait for the host"
+            " even with the asynchronous optimizer. Use a fused optimizer kernel (torch's Adam, AdamW, SGD or"
+            " Adagrad with `fused` and `foreach` unset or fused=True), train fewer parameters (LoRA), or put"
+            " more tokens into each optimizer step (a larger batch or accumulate_grad_batches). On one GPU,"
+            " RoundPipeStrategy(optimizer_on='device') steps it there where its states fit (the default 'auto'"
+            " does so for torch.optim's within half of gpu_memory).",
+            stacklevel=outside_package(),
+        )
+
+
+class ShareSwitch:
+    """``optimizer_on="auto"``'s states moved, a share of them, to the one GPU where the host's step bounds the step.
+
+    Offered by the clock's judgement (:meth:`offer`, the share from :func:`~lightning_roundpipe.runtime.placement.
+    share_for`); before a later training batch, once the running plan's pace is measured (seconds per input
+    element, :meth:`CacheWatch.pace`), the engine is built again with that share on the GPU
+    (:func:`~lightning_roundpipe.build.build_placed`: no layer measured again, the plan chosen for what the states
+    leave). That is a trial: kept where its own pace is :attr:`CacheWatch.gain` faster, else the host again
+    (and the clock's warning). Once a run, and logged either way.
+    """
+
+    def __init__(self) -> None:
+        self.eligible = False
+        self.share: float | None = None
+        """The share offered, moved, or kept."""
+        self.outcome: dict[str, Any] | None = None
+        """Once judged: the share, both paces (seconds per million input elements) and whether it was kept."""
+        self._times: tuple[float, float] = (0.0, 0.0)
+        self._before: float | None = None  # the host's pace, once the share runs
+        self._done = False
+
+    def watch(self, eligible: bool) -> None:
+        """At setup: whether this run may move a share (:func:`~lightning_roundpipe.build.could_share`)."""
+        self.eligible, self.share, self.outcome, self._before, self._done = eligible, None, None, None, False
+
+    def offer(self, engine: PipelineEngine, host_s: float, device_s: float) -> bool:
+        """The host's step (``host_s``) judged longer than the devices' (``device_s``): whether a share moves."""
+        if not self.eligible or self._done or self.share is not None:
+            return self.share is not None and not self._done
+        self.share = share_for(engine.store, engine.caches.ceiling, host_s, device_s)
+        self._times = (host_s, device_s)
+        return self.share is not None
+
+    def apply(self, strategy: Any, arguments: EngineArguments) -> None:
+        """Before a training batch: the offered share moved, or the moved one judged, where it is time."""
+        engine = strategy.engine
+        if self.share is None or self._done or not engine.steps.between_steps():
+            return
+        pace = engine.caches.pace()
+        if pace is None:  # measured first: the plan settled, a window of batches on it, no trial running
+            return
+        if self._before is None:
+            again = build_placed(engine, arguments, self.share)
+            host, device = self._times
+            if again is None:
+                self._done = True
+                rank_zero_info(f"roundpipe: no plan fits beside {self.share:.0%} of the optimizer's states on the GPU")
+                return
+            self._before = pace
+            _install(strategy, again)
+            rank_zero_info(
+                f"roundpipe: the host optimizer step ({host:.2f} s) is longer than the {device:.2f} s the GPU computes"
+                f" per step: the optimizer's states of the deepest {self.share:.0%} of the parameters moved to the"
+                " GPU (optimizer_on='auto'), kept if the steps run faster"
+            )
+            return
+        self._done, kept = True, pace <= (1 - CacheWatch.gain) * self._before
+        self.outcome = {"share": self.share, "host_s": self._before * 1e6, "share_s": pace * 1e6, "kept": kept}
+        if kept:
+            strategy.options = dataclasses.replace(strategy.options, optimizer_on=self.share)  # (a rebuild keeps it)
+        elif (again := build_placed(engine, arguments, "host")) is not None:
+            _install(strategy, again)
+        rank_zero_info(
+            f"roundpipe: with {self.share:.0%} of the optimizer's states on the GPU the steps took"
+            f" {pace * 1e6:.3g} s per million tokens against the host's {self._before * 1e6:.3g}:"
+            + (" kept" if kept else " the host again")
+        )
+
+
+def _install(strategy: Any, engine: PipelineEngine) -> None:
+    strategy.engine = strategy._calls.engine = engine
+    strategy._nodes.join(engine, engine.asynchronous)

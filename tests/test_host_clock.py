@@ -1,0 +1,119 @@
+"""The host's step against the devices': the warning, and optimizer_on="auto"'s share of the states moved to the
+GPU where the host bounds the step (CPU workers stand in: the share is offered by hand, the clock's judgement needs
+a GPU's compute time)."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
+
+from lightning_roundpipe import RoundPipeStrategy, host_clock
+from lightning_roundpipe.engine.cache import CacheWatch
+from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
+from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.placement import SHARE_FLOOR, resident_bytes, share_for
+
+
+def test_a_host_step_longer_than_the_devices_is_reported_once_when_settled():
+    clock = HostStepClock()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clock.record(1, 12.0, 1.0)  # the first steps allocate the optimizer's states: not judged
+        clock.record(2, 9.0, 1.0)
+        for step in range(3, 8):
+            clock.record(step, 0.5, 1.0)  # hidden behind the devices' step: nothing to say
+        clock.record(8, 3.0, 1.0)  # one slow step among settled ones (the median of three is 0.5)...
+        assert clock.host_step_s == 3.0
+        clock.record(8, 3.0, 1.0)  # ...and the same update seen again is not counted twice
+        clock.record(9, 2.0, None)  # the devices' step not measured yet
+    with pytest.warns(UserWarning, match=r"takes 3.00 s, longer than the 1.00 s the devices compute"):
+        clock.record(10, 3.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clock.record(11, 3.0, 1.0)  # once
+    synchronous = HostStepClock()  # no step numbers: each call is a step of its own
+    with pytest.warns(UserWarning, match=r"takes 2.00 s"):
+        for _ in range(synchronous.settle + synchronous.window):
+            synchronous.record(None, 2.0, 1.0)
+
+
+def test_a_host_step_judged_longer_is_offered_first_and_warned_only_where_not_taken():
+    clock, offered = HostStepClock(), []
+    clock.on_bound = lambda host, device: offered.append((host, device)) or len(offered) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(1, 6):
+            clock.record(step, 3.0, 1.0)  # judged at step 5: offered, taken, no warning
+    assert offered == [(3.0, 1.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clock.record(6, 3.0, 1.0)
+        clock.record(7, 3.0, 1.0)  # judged afresh on the steps after
+    with pytest.warns(UserWarning, match=r"takes 3.00 s"):
+        clock.record(8, 3.0, 1.0)  # not taken this time: the warning
+    assert len(offered) == 2
+
+
+def test_the_share_brings_the_host_under_the_devices_within_half_of_the_limit():
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    states = resident_bytes(store)
+    assert share_for(store, None, 2.0, 1.0) is None  # no limit: CPU workers
+    assert share_for(store, 10 * states, 2.0, 1.0) == pytest.approx(0.6)  # 1 - 0.8 x 1.0 / 2.0
+    assert share_for(store, states / 2, 2.0, 1.0) == pytest.approx(0.25)  # at most half of the limit
+    assert share_for(store, 10 * states, 1.0, 1.2) is None  # 0.04 of the host's work: not worth half a plan
+    assert share_for(store, states * 2 * SHARE_FLOOR * 0.9, 2.0, 1.0) is None  # too little fits
+
+
+class _Offered(L.Callback):
+    """Offers ``share`` at the fit's start, as the clock's judgement would on a GPU."""
+
+    def __init__(self, share: float) -> None:
+        self.share, self.engines = share, []
+
+    def on_train_start(self, trainer, pl_module):
+        switch: ShareSwitch = trainer.strategy._share
+        switch.eligible, switch.share, switch._times = True, self.share, (2.0, 1.0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = trainer.strategy.engine
+        if not self.engines or self.engines[-1][1] is not engine:
+            self.engines.append((trainer.global_step, engine, engine.resident))
+
+
+def _run(share: float, build=None, monkeypatch=None):
+    if build is not None:
+        monkeypatch.setattr(host_clock, "build_placed", build)
+    offered = _Offered(share)
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [offered]}
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    module = fit(lambda: BoringPipeline(depth=4), {**kwargs, "strategy": strategy}, boring_data(samples=192))
+    return module, offered.engines, strategy
+
+
+@pytest.mark.timeout(240)
+def test_a_share_moved_during_training_trains_as_the_host_built_again_at_the_same_batch(monkeypatch):
+    """The switch builds the engine again between steps (the pending update lands, the next batch computes on the
+    latest weights): equal to the host's engine built again at the same batch, kept or not."""
+    real = host_clock.build_placed
+    monkeypatch.setattr(CacheWatch, "gain", -1e9)  # (kept whatever the CPU's timing)
+    kept, engines, strategy = _run(0.5)
+    assert len(engines) == 2 and engines[0][2] is None
+    resident = engines[1][2]
+    assert resident is not None and not resident.whole and strategy.options.optimizer_on == 0.5
+    assert strategy._share.outcome["kept"] is True
+    host, host_engines, _ = _run(0.5, lambda e, a, p: real(e, a, "host"), monkeypatch)
+    assert [e[0] for e in host_engines] == [e[0] for e in engines]  # built again at the same step
+    assert relative_error(flat_weights(kept), flat_weights(host)) <= 1e-6
+    start = fit(lambda: BoringPipeline(depth=4), {"accelerator": "cpu", "devices": 1, "max_steps": 0})
+    assert relative_error(flat_weights(kept), flat_weights(start)) > 1e-3
+
+    monkeypatch.setattr(CacheWatch, "gain", 1.0)  # never faster: the host again
+    monkeypatch.setattr(host_clock, "build_placed", real)
+    back, engines, strategy = _run(0.5)
+    assert len(engines) == 3 and engines[1][2] is not None and engines[2][2] is None
+    assert strategy._share.outcome["kept"] is False and strategy.options.optimizer_on == "auto"
+    twice, host_engines, _ = _run(0.5, lambda e, a, p: real(e, a, "host"), monkeypatch)
+    assert [e[0] for e in host_engines] == [e[0] for e in engines]
+    assert relative_error(flat_weights(back), flat_weights(twice)) <= 1e-6
