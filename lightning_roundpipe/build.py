@@ -156,12 +156,13 @@ def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str 
 
 def could_share(engine: PipelineEngine, arguments: EngineArguments) -> bool:
     """Whether ``optimizer_on="auto"`` left the states on the host only because they take more than
-    :data:`AUTO_SHARE` of the one GPU's limit, so that a share of them may go there (:mod:`host_clock`)."""
+    :data:`AUTO_SHARE` of the one GPU's limit, so that a share of them may go there (:mod:`host_clock`; the planner
+    chooses the plan, so that one can be chosen again for what the share leaves)."""
     precision, options = arguments.precision, arguments.options
     place, _ = _place(options.optimizer_on, arguments.num_nodes, precision.autocast_dtype, arguments.optimizers)
     eligible = engine.asynchronous and engine.consistency == "layerwise" and engine.crew.optimizer is not None
     one_gpu = len(engine.devices) == 1 and engine.caches.ceiling is not None
-    return place == "auto" and engine.resident is None and eligible and one_gpu
+    return place == "auto" and engine.resident is None and eligible and one_gpu and engine.planner.auto
 
 
 def fresh_engine(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:

@@ -13,7 +13,6 @@ the GPU, and is kept only where it runs faster.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import warnings
 from collections import deque
@@ -23,11 +22,11 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_roundpipe.build import EngineArguments, build_placed
+from lightning_roundpipe.build import EngineArguments, build_placed, could_share
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.runtime.callers import outside_package
-from lightning_roundpipe.runtime.placement import share_for
+from lightning_roundpipe.runtime.placement import AUTO_SHARE, deepest_share, resident_bytes, share_for
 
 
 class HostStepClock:
@@ -57,6 +56,11 @@ class HostStepClock:
         self.on_bound: Callable[[float, float], bool] | None = None
         """Asked first when the host's step is judged the longer, with both times: ``True`` when it acts instead
         of the warning (:meth:`ShareSwitch.offer`)."""
+
+    def restart(self) -> None:
+        """A new fit: judged afresh (settling again), warning again; :attr:`on_bound` kept."""
+        self._warned, self._steps, self._last_step = False, 0, None
+        self._recent.clear()
 
     @contextlib.contextmanager
     def timing(self, device_step_s: float | None, optimizer: Any) -> Iterator[Callable[[Callable[[], Any]], Any]]:
@@ -127,7 +131,8 @@ class ShareSwitch:
     element, :meth:`CacheWatch.pace`), the engine is built again with that share on the GPU
     (:func:`~lightning_roundpipe.build.build_placed`: no layer measured again, the plan chosen for what the states
     leave). That is a trial: kept where its own pace is :attr:`CacheWatch.gain` faster, else the host again
-    (and the clock's warning). Once a run, and logged either way.
+    (and the clock's warning). Logged either way. An engine built again for another reason (parameters unfrozen,
+    a checkpoint loaded mid-run) is the default's again, judged afresh.
     """
 
     def __init__(self) -> None:
@@ -138,24 +143,37 @@ class ShareSwitch:
         """Once judged: the share, both paces (seconds per million input elements) and whether it was kept."""
         self._times: tuple[float, float] = (0.0, 0.0)
         self._before: float | None = None  # the host's pace, once the share runs
+        self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
         self._done = False
 
-    def watch(self, eligible: bool) -> None:
-        """At setup: whether this run may move a share (:func:`~lightning_roundpipe.build.could_share`)."""
-        self.eligible, self.share, self.outcome, self._before, self._done = eligible, None, None, None, False
+    def watch(self, eligible: bool, clock: HostStepClock | None = None) -> None:
+        """At setup, or on an engine built again elsewhere: whether it may move a share
+        (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
+        self.eligible, self.share, self._before, self._engine, self._done = eligible, None, None, None, False
+        if clock is not None:
+            self.outcome = None
+            clock.restart()
 
     def offer(self, engine: PipelineEngine, host_s: float, device_s: float) -> bool:
         """The host's step (``host_s``) judged longer than the devices' (``device_s``): whether a share moves."""
         if not self.eligible or self._done or self.share is not None:
             return self.share is not None and not self._done
-        self.share = share_for(engine.store, engine.caches.ceiling, host_s, device_s)
-        self._times = (host_s, device_s)
-        return self.share is not None
+        share = share_for(engine.store, engine.caches.ceiling, host_s, device_s)
+        if share is not None and engine.caches.ceiling is not None:  # (whole groups: at least the deepest one)
+            held = resident_bytes(engine.store, groups=deepest_share(engine.store, share))
+            share = share if held <= AUTO_SHARE * engine.caches.ceiling else None
+        self.share, self._times = share, (host_s, device_s)
+        return share is not None
 
     def apply(self, strategy: Any, arguments: EngineArguments) -> None:
         """Before a training batch: the offered share moved, or the moved one judged, where it is time."""
         engine = strategy.engine
+        if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
+            self.watch(could_share(engine, arguments))
         if self.share is None or self._done or not engine.steps.between_steps():
+            return
+        if strategy.lightning_module.trainer.accumulate_grad_batches > CacheWatch.window:
+            self._done = True  # the pace's window of batches would miss the step's wait for the host
             return
         pace = engine.caches.pace()
         if pace is None:  # measured first: the plan settled, a window of batches on it, no trial running
@@ -167,8 +185,7 @@ class ShareSwitch:
                 self._done = True
                 rank_zero_info(f"roundpipe: no plan fits beside {self.share:.0%} of the optimizer's states on the GPU")
                 return
-            self._before = pace
-            _install(strategy, again)
+            self._before, self._engine = pace, _install(strategy, again)
             rank_zero_info(
                 f"roundpipe: the host optimizer step ({host:.2f} s) is longer than the {device:.2f} s the GPU computes"
                 f" per step: the optimizer's states of the deepest {self.share:.0%} of the parameters moved to the"
@@ -177,10 +194,8 @@ class ShareSwitch:
             return
         self._done, kept = True, pace <= (1 - CacheWatch.gain) * self._before
         self.outcome = {"share": self.share, "host_s": self._before * 1e6, "share_s": pace * 1e6, "kept": kept}
-        if kept:
-            strategy.options = dataclasses.replace(strategy.options, optimizer_on=self.share)  # (a rebuild keeps it)
-        elif (again := build_placed(engine, arguments, "host")) is not None:
-            _install(strategy, again)
+        if not kept and (again := build_placed(engine, arguments, "host")) is not None:
+            self._engine = _install(strategy, again)
         rank_zero_info(
             f"roundpipe: with {self.share:.0%} of the optimizer's states on the GPU the steps took"
             f" {pace * 1e6:.3g} s per million tokens against the host's {self._before * 1e6:.3g}:"
@@ -188,6 +203,7 @@ class ShareSwitch:
         )
 
 
-def _install(strategy: Any, engine: PipelineEngine) -> None:
+def _install(strategy: Any, engine: PipelineEngine) -> PipelineEngine:
     strategy.engine = strategy._calls.engine = engine
     strategy._nodes.join(engine, engine.asynchronous)
+    return engine

@@ -195,7 +195,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         self._setup_engine(trainer, training=fitting)
         if fitting:
             check_optimizers(self.optimizers, self.engine, self._nodes.count, self.async_optimizer)
-            self._share.watch(could_share(self.engine, _engine_arguments(self)))
+            self._share.watch(could_share(self.engine, _engine_arguments(self)), self._host_clock)
         self.setup_precision_plugin()
 
     def _setup_engine(self, trainer: Any, training: bool) -> None:

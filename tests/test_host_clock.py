@@ -9,8 +9,9 @@ import pytest
 import torch
 from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
 
-from lightning_roundpipe import RoundPipeStrategy, host_clock
+from lightning_roundpipe import RoundPipeStrategy, build, host_clock
 from lightning_roundpipe.engine.cache import CacheWatch
+from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.placement import SHARE_FLOOR, resident_bytes, share_for
@@ -67,10 +68,11 @@ def test_the_share_brings_the_host_under_the_devices_within_half_of_the_limit():
 
 
 class _Offered(L.Callback):
-    """Offers ``share`` at the fit's start, as the clock's judgement would on a GPU."""
+    """Offers ``share`` at the fit's start, as the clock's judgement would on a GPU; ``freeze``: a bias frozen
+    once the share runs (the engine then built again for the parameters trainable)."""
 
-    def __init__(self, share: float) -> None:
-        self.share, self.engines = share, []
+    def __init__(self, share: float, freeze: bool = False) -> None:
+        self.share, self.freeze, self.engines = share, freeze, []
 
     def on_train_start(self, trainer, pl_module):
         switch: ShareSwitch = trainer.strategy._share
@@ -80,40 +82,66 @@ class _Offered(L.Callback):
         engine = trainer.strategy.engine
         if not self.engines or self.engines[-1][1] is not engine:
             self.engines.append((trainer.global_step, engine, engine.resident))
+            if self.freeze and len(self.engines) == 2:
+                pl_module.model[0].bias.requires_grad_(False)
 
 
-def _run(share: float, build=None, monkeypatch=None):
+def _run(share: float, build=None, monkeypatch=None, freeze=False):
     if build is not None:
         monkeypatch.setattr(host_clock, "build_placed", build)
-    offered = _Offered(share)
+    offered = _Offered(share, freeze)
     kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [offered]}
     strategy = RoundPipeStrategy(num_microbatches=2)
     module = fit(lambda: BoringPipeline(depth=4), {**kwargs, "strategy": strategy}, boring_data(samples=192))
     return module, offered.engines, strategy
 
 
+def _rebuilt_on_the_host(engine, arguments, place):
+    """The reference: the engine built again on the host as for unfrozen parameters (counters carried only, the
+    layers measured again), at the same batch."""
+    if not engine.steps.between_steps():
+        return None
+    engine.flush()
+    state = engine_state(engine, compute=False)
+    again = build._rebuilt(engine, arguments)
+    again.load_state_dict({k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed")})
+    return again
+
+
 @pytest.mark.timeout(240)
 def test_a_share_moved_during_training_trains_as_the_host_built_again_at_the_same_batch(monkeypatch):
     """The switch builds the engine again between steps (the pending update lands, the next batch computes on the
     latest weights): equal to the host's engine built again at the same batch, kept or not."""
-    real = host_clock.build_placed
     monkeypatch.setattr(CacheWatch, "gain", -1e9)  # (kept whatever the CPU's timing)
     kept, engines, strategy = _run(0.5)
     assert len(engines) == 2 and engines[0][2] is None
     resident = engines[1][2]
-    assert resident is not None and not resident.whole and strategy.options.optimizer_on == 0.5
-    assert strategy._share.outcome["kept"] is True
-    host, host_engines, _ = _run(0.5, lambda e, a, p: real(e, a, "host"), monkeypatch)
+    assert resident is not None and not resident.whole
+    assert strategy._share.outcome["kept"] is True and strategy.options.optimizer_on == "auto"
+    steps = {int(state["step"]) for state in kept.trainer.optimizers[0].state.values()}
+    assert steps == {kept.trainer.global_step}  # every state stepped once a step, on either side of the move
+    host, host_engines, _ = _run(0.5, _rebuilt_on_the_host, monkeypatch)
     assert [e[0] for e in host_engines] == [e[0] for e in engines]  # built again at the same step
     assert relative_error(flat_weights(kept), flat_weights(host)) <= 1e-6
     start = fit(lambda: BoringPipeline(depth=4), {"accelerator": "cpu", "devices": 1, "max_steps": 0})
     assert relative_error(flat_weights(kept), flat_weights(start)) > 1e-3
 
     monkeypatch.setattr(CacheWatch, "gain", 1.0)  # never faster: the host again
-    monkeypatch.setattr(host_clock, "build_placed", real)
+    monkeypatch.setattr(host_clock, "build_placed", build.build_placed)
     back, engines, strategy = _run(0.5)
     assert len(engines) == 3 and engines[1][2] is not None and engines[2][2] is None
-    assert strategy._share.outcome["kept"] is False and strategy.options.optimizer_on == "auto"
-    twice, host_engines, _ = _run(0.5, lambda e, a, p: real(e, a, "host"), monkeypatch)
+    assert strategy._share.outcome["kept"] is False
+    on_host = lambda engine, arguments, place: build.build_placed(engine, arguments, "host")  # noqa: E731
+    twice, host_engines, _ = _run(0.5, on_host, monkeypatch)  # (the plan carried: the same batches again)
     assert [e[0] for e in host_engines] == [e[0] for e in engines]
     assert relative_error(flat_weights(back), flat_weights(twice)) <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_built_again_elsewhere_during_the_trial_is_not_judged_as_the_share(monkeypatch):
+    """A parameter frozen while the share is on trial: the engine built again for it is the default's (the host
+    here), and the switch starts afresh on it instead of timing it as the share."""
+    monkeypatch.setattr(CacheWatch, "gain", -1e9)
+    _, engines, strategy = _run(0.5, freeze=True)
+    assert len(engines) == 3 and engines[1][2] is not None and engines[2][2] is None
+    assert strategy._share.outcome is None and strategy._share.share is None
