@@ -165,12 +165,25 @@ class ShareSwitch:
         self.share, self._times = share, (host_s, device_s)
         return share is not None
 
+    def _offer_on_waits(self, engine: PipelineEngine) -> None:
+        """The host's step bounds the step where the workers wait for its updates (their reads and casts) more
+        than :attr:`waited` of the devices' compute per batch, though its math alone may be the shorter: on one H100
+        capped at 24 GiB (8 sequences a step, 2026-12-07) AdamW's math took 0.51 s, under the GPU's compute, and the
+        worker still waited 0.34 s a batch for the casts and the updated weights. The clock never judged it."""
+        waits, device = engine.worker_waits, engine.stats.compute_s
+        waited = waits.get("update reads", 0.0) + waits.get("casts", 0.0)
+        if device and waited > self.waited * device:
+            self.offer(engine, device + waited, device)
+
+    waited = 0.15
+    """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""
+
     def apply(self, strategy: Any, arguments: EngineArguments) -> None:
         """Before a training batch: the offered share moved, or the moved one judged, where it is time."""
         engine = strategy.engine
         if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
             self.watch(could_share(engine, arguments))
-        if self.share is None or self._done or not engine.steps.between_steps():
+        if not self.eligible or self._done or not engine.steps.between_steps():
             return
         if strategy.lightning_module.trainer.accumulate_grad_batches > CacheWatch.window:
             self._done = True  # the pace's window of batches would miss the step's wait for the host
@@ -178,6 +191,10 @@ class ShareSwitch:
         pace = engine.caches.pace()
         if pace is None:  # measured first: the plan settled, a window of batches on it, no trial running
             return
+        if self.share is None:
+            self._offer_on_waits(engine)
+            if self.share is None:
+                return
         if self._before is None:
             again = build_placed(engine, arguments, self.share)
             host, device = self._times

@@ -3,6 +3,7 @@ GPU where the host bounds the step (CPU workers stand in: the share is offered b
 a GPU's compute time)."""
 
 import warnings
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -145,3 +146,23 @@ def test_an_engine_built_again_elsewhere_during_the_trial_is_not_judged_as_the_s
     _, engines, strategy = _run(0.5, freeze=True)
     assert len(engines) == 3 and engines[1][2] is not None and engines[2][2] is None
     assert strategy._share.outcome is None and strategy._share.share is None
+
+
+def test_workers_waiting_for_the_host_offer_a_share_though_its_math_is_the_shorter():
+    """On one H100 at 24 GiB AdamW's math (0.51 s) stayed under the GPU's compute while the worker waited 0.34 s a
+    batch for the casts and updated weights: those waits offer the share, small ones do not."""
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    engine = SimpleNamespace(
+        store=store, caches=SimpleNamespace(ceiling=10 * resident_bytes(store)), stats=SimpleNamespace(compute_s=0.5)
+    )
+    switch = ShareSwitch()
+    switch.watch(True)
+    engine.worker_waits = {"update reads": 0.04, "casts": 0.03, "launch": 0.3}  # (launch: not the host's step)
+    switch._offer_on_waits(engine)
+    assert switch.share is None
+    engine.worker_waits = {"update reads": 0.22, "casts": 0.12}
+    switch._offer_on_waits(engine)
+    assert switch.share == pytest.approx(1 - 0.8 * 0.5 / 0.84)
+    ineligible = ShareSwitch()  # (not "auto", several GPUs, a fixed plan...)
+    ineligible._offer_on_waits(engine)
+    assert ineligible.share is None
