@@ -40,6 +40,7 @@
 #        partial-24gib (issue 39: AdamW's math skipped on a share of the parameters, the plan sized for their states)
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
 #        auto-share-24gib (issue 39: every default, "auto" moving a share where the host bounds the step, against the host)
+#        auto-share-default (its defaults alone)
 #        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
@@ -292,6 +293,11 @@ for step in "${steps[@]}"; do
       # (newcomer-skip0.35-gm0.333 gave 1.17x on one H100); NVML within 24 GiB. About 300 s
       run auto-share-24gib 380 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer,newcomer-hostopt --warmup 26 --steps 6 --config-timeout 185 --out "$OUT/auto-share-24gib.json" ;;
+    auto-share-default)  # auto-share-24gib's defaults alone (a short device budget): the switch's log lines and pace.
+      # Expected with 655d099's trigger (the worker's waits for the host, 0.34 s a batch against about 0.55 s of
+      # compute): the share moved near step 11, about 0.3, judged near step 20; kept at 1.1-1.3x the 19.1k. About 110 s
+      run auto-share-default 190 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer --warmup 26 --steps 6 --config-timeout 180 --out "$OUT/auto-share-default.json" ;;
     share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
       # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
       # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved
