@@ -5,9 +5,10 @@ With the states on the host the asynchronous optimizer hides the host's step onl
 compute. Where the batches are short (8 sequences of 256-4096 tokens a step, the 1.7B shape, one H100 capped at
 24 GiB, 2026-12-07) AdamW's math takes longer than the devices' step and they wait for it: 18,447 real tokens/s.
 Skipping the math of the deepest 35% of the parameters (as if their states were on the GPU) and planning for what
-their states would leave ran 21,664. :class:`ShareSwitch` does that for real where the clock judges the host the
-slower: the deepest share that brings the host's step under the devices' (at most half of ``gpu_memory``) goes to
-the GPU, and is kept only where it runs faster.
+their states would leave ran 21,664. :class:`ShareSwitch` does that for real where the host bounds the step:
+the deepest share that brings the host's step under the devices' (at most half of ``gpu_memory``) goes to the GPU,
+and is kept only where it runs faster. It is off (:attr:`ShareSwitch.automatic`) until a judgement that holds on a
+GPU: the one run so far kept a share that was slower.
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ class ShareSwitch:
     a checkpoint loaded mid-run) is the default's again, judged afresh.
     """
 
+    automatic = False
+    """Whether ``"auto"`` moves a share by itself. Off: in its one GPU run (one H100 capped at 24 GiB, 8 sequences
+    of 256-4096 tokens a step, 2026-12-07) it moved 30% at step 12 and kept it on one window of four batches that ran
+    15% faster per token, but steps 13-32 then took 5-19% longer than the host's in another call (16,157 real
+    tokens/s against 19,135-19,185; NVML 23.9 GiB, 12 cache releases): the share's smaller plan slowed the long
+    batches more than it sped up the short ones, and the one-sided window did not see it (docs/benchmarks.md)."""
+
     def __init__(self) -> None:
         self.eligible = False
         self.share: float | None = None
@@ -150,6 +158,7 @@ class ShareSwitch:
         """At setup, or on an engine built again elsewhere: whether it may move a share
         (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
         self.eligible, self.share, self._before, self._engine, self._done = eligible, None, None, None, False
+        self.eligible = eligible and self.automatic
         if clock is not None:
             self.outcome = None
             clock.restart()

@@ -82,8 +82,6 @@ class RoundPipeOptions:
     GPU and the optimizer is one of ``torch.optim``'s (another's step may need the host: ``"device"`` tries it),
     not with ``16-mixed`` or several nodes; else the host. A log line says which and why. Measured on one H200
     (Qwen3-1.7B shape, 8 sequences a step): 42,404 real tokens/s against the host's 22,877 (docs/benchmarks.md).
-    Where ``"auto"`` keeps them on the host for their size on one GPU and the host's step then bounds the step, the
-    deepest share that brings it under the GPU's moves there, on trial (:mod:`~lightning_roundpipe.host_clock`).
     A number in (0, 1): that share of the trainable parameters (the deepest layers') on the GPU, the rest on the
     host, for a host-bound step whose states do not all fit."""
     double_buffer: bool | str = False

@@ -156,6 +156,7 @@ def test_workers_waiting_for_the_host_offer_a_share_though_its_math_is_the_short
         store=store, caches=SimpleNamespace(ceiling=10 * resident_bytes(store)), stats=SimpleNamespace(compute_s=0.5)
     )
     switch = ShareSwitch()
+    switch.automatic = True  # (off by default: see ShareSwitch.automatic)
     switch.watch(True)
     engine.worker_waits = {"update reads": 0.04, "casts": 0.03, "launch": 0.3}  # (launch: not the host's step)
     switch._offer_on_waits(engine)
@@ -166,3 +167,9 @@ def test_workers_waiting_for_the_host_offer_a_share_though_its_math_is_the_short
     ineligible = ShareSwitch()  # (not "auto", several GPUs, a fixed plan...)
     ineligible._offer_on_waits(engine)
     assert ineligible.share is None
+
+
+def test_the_switch_is_off_by_default():
+    switch = ShareSwitch()
+    switch.watch(True)
+    assert not switch.eligible and not ShareSwitch.automatic
