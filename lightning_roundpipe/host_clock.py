@@ -157,8 +157,8 @@ class ShareSwitch:
     def watch(self, eligible: bool, clock: HostStepClock | None = None) -> None:
         """At setup, or on an engine built again elsewhere: whether it may move a share
         (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
-        self.eligible, self.share, self._before, self._engine, self._done = eligible, None, None, None, False
         self.eligible = eligible and self.automatic
+        self.share, self._before, self._engine, self._done = None, None, None, False
         if clock is not None:
             self.outcome = None
             clock.restart()
@@ -187,11 +187,12 @@ class ShareSwitch:
     waited = 0.15
     """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""
 
-    def apply(self, strategy: Any, arguments: EngineArguments) -> None:
-        """Before a training batch: the offered share moved, or the moved one judged, where it is time."""
+    def apply(self, strategy: Any, engine_arguments: Callable[[], EngineArguments]) -> None:
+        """Before a training batch: the offered share moved, or the moved one judged, where it is time
+        (``engine_arguments``: asked for only then)."""
         engine = strategy.engine
         if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
-            self.watch(could_share(engine, arguments))
+            self.watch(could_share(engine, engine_arguments()))
         if not self.eligible or self._done or not engine.steps.between_steps():
             return
         if strategy.lightning_module.trainer.accumulate_grad_batches > CacheWatch.window:
@@ -204,6 +205,7 @@ class ShareSwitch:
             self._offer_on_waits(engine)
             if self.share is None:
                 return
+        arguments = engine_arguments()
         if self._before is None:
             again = build_placed(engine, arguments, self.share)
             host, device = self._times

@@ -240,7 +240,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         assert self._calls is not None and self.engine is not None
         # a new engine if parameters were frozen or unfrozen between steps (BackboneFinetuning)
         self.engine = self._calls.engine = build_again(self.engine, _engine_arguments(self))
-        self._share.apply(self, _engine_arguments(self))  # where the host's step bounds the step: see host_clock
+        self._share.apply(self, lambda: _engine_arguments(self))  # where the host's step bounds it: host_clock
         with self._calls.training_step():
             output = super().training_step(*args, **kwargs)
         self._calls.check_output(output)
