@@ -248,7 +248,7 @@ def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm):
 
 
 def _jitter(monkeypatch, seed: int) -> None:
-    """Random sleeps in every worker action, gradient collection and optimizer group step."""
+    """Random sleeps in every worker action, gradient collection, optimizer group step and cast."""
     rng = random.Random(seed)
     lock = threading.Lock()
 
@@ -257,14 +257,16 @@ def _jitter(monkeypatch, seed: int) -> None:
             delay = rng.random() * 0.004
         time.sleep(delay)
 
-    run, step, collect = (
+    run, step, collect, cast = (
         executor_module.StageExecutor._run,
         optimizer_module.OptimizerWorker._step_groups,
         executor_module.GradCollector.submit,
+        optimizer_module.OptimizerWorker._cast,
     )
     monkeypatch.setattr(executor_module.StageExecutor, "_run", lambda self, *a: (nap(), run(self, *a))[1])
     monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (nap(), step(self, *a))[1])
     monkeypatch.setattr(executor_module.GradCollector, "submit", lambda self, *a: (nap(), collect(self, *a))[1])
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (nap(), cast(self, *a))[1])
 
 
 @pytest.mark.timeout(120)
@@ -362,6 +364,40 @@ def test_double_buffering_casts_an_update_without_waiting_for_the_next_steps_las
             assert cast < min(uploads), f"update {t} was cast only after step {t + 1} uploaded layer 0 again"
         else:
             assert cast > max(uploads), f"update {t} overwrote the copy step {t + 1} still uploads"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_slow_casts_are_not_overtaken_by_the_next_updates_math(monkeypatch, double_buffer):
+    """The casts run on their own thread: a cast that reads its master late must still read update t's, not
+    update t+1's (whose math on the group waits for it)."""
+    cast = optimizer_module.OptimizerWorker._cast
+    monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (time.sleep(0.02), cast(self, *a)))
+    model = mlp()
+    data = batches(5)
+    want = staleness_one_reference(model, data)
+    got, _ = run_async(copy.deepcopy(model), data, last_of_step=True, double_buffer=double_buffer)
+    assert relative_error(got, want) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_an_updates_casts_run_beside_its_math(monkeypatch):
+    """With a spare copy a group's cast follows its math at once, on the cast thread, while the optimizer thread
+    steps the next groups: the deepest group is cast before the shallowest is stepped."""
+    step = optimizer_module.OptimizerWorker._step_groups
+    monkeypatch.setattr(
+        optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (time.sleep(0.03), step(self, *a))[1]
+    )
+    model = mlp()
+    engine = PipelineEngine(
+        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
+        asynchronous=True, double_buffer=True,
+    )  # fmt: skip
+    trace = traced_steps(engine, model)
+    for t in range(3):
+        first_cast = min(e[3] for e in trace if e[0] == "cast" and e[1] == t)
+        last_math_start = max(e[3] for e in trace if e[0] == "update" and e[1] == t)
+        assert first_cast < last_math_start, f"update {t}'s casts waited for all of its math"
 
 
 @pytest.mark.timeout(60)
