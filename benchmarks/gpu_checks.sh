@@ -41,7 +41,6 @@
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
 #        auto-share-24gib (issue 39: every default, "auto" moving a share where the host bounds the step, against the host)
 #        auto-share-default (its defaults alone)
-#        cast-thread (issue 39: each update's casts on their own thread, against the one thread's order, 8 a step)
 #        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
@@ -299,19 +298,6 @@ for step in "${steps[@]}"; do
       # compute): the share moved near step 11, about 0.3, judged near step 20; kept at 1.1-1.3x the 19.1k. About 110 s
       run auto-share-default 190 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer --warmup 26 --steps 6 --config-timeout 180 --out "$OUT/auto-share-default.json" ;;
-    cast-thread)  # issue 39, 8 a step: every default (each update's casts on their own thread beside the math, since
-      # 2026-12-07) against newcomer-serialcasts (the casts after the update's math, before the next one's: one thread's
-      # order), at 24 GiB and on the full card, where the states stay on the host. The one thread was never idle at
-      # 24 GiB (0.62 s of math and 0.23 s of casts a step; steps about 0.8 s; 20,519 real tokens/s on one H100).
-      # Expected: the defaults 1.1-1.25x serialcasts at 24 GiB (math and casts share the memory bandwidth: about
-      # 0.65-0.7 s a step), the workers' waits for casts under 0.05 s a batch; on the full card (22,062) about as
-      # much. About 330 s
-      run cast-thread-24gib 250 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
-        --configs newcomer,newcomer-serialcasts --warmup 20 --steps 6 --config-timeout 115 --host-trace \
-        --out "$OUT/cast-thread-24gib.json"
-      run cast-thread-full 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
-        --configs newcomer,newcomer-serialcasts --warmup 10 --steps 8 --config-timeout 95 \
-        --out "$OUT/cast-thread-full.json" ;;
     share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
       # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
       # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved

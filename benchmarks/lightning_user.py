@@ -41,9 +41,6 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-nomirror``: the defaults without the copy of each update's fp32 masters to the host's (4 bytes a
   parameter device to host, since 2026-12-07, so that the module's weights move during training as on the host
   path): what that copy costs where the states are on the GPU (an experiment; the module then sits at the last flush);
-- ``newcomer-serialcasts``: the defaults with each update's casts after all of its math and before the next update's,
-  as on one thread before 2026-12-07 (``runtime/casts.py`` now casts each group beside the math of the next ones):
-  what the cast thread gives where the host bounds the step;
 - ``newcomer-sgd``: ``newcomer-hostopt`` with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
@@ -428,7 +425,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror", "newcomer-serialcasts")
+    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror")
     if config in same or config.startswith(("newcomer-width", "newcomer-switch")):
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
@@ -469,8 +466,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-serialcasts, newcomer-devopt,"
-        " newcomer-hostopt, newcomer-noop, newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-devopt, newcomer-hostopt, newcomer-noop,"
+        " newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
         " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
         " zero2-offload-liger, zero2-offload-compile, zero3-offload-liger or zero3-offload-compile"
@@ -685,29 +682,6 @@ def experiment(config: str) -> Iterator[None]:
         from lightning_roundpipe.runtime.resident import ResidentStates
 
         with mock.patch.object(ResidentStates, "_mirror", lambda self, g, updated: None):
-            yield
-        return
-    if config == "newcomer-serialcasts":  # an update's casts after its math, the next update's math after them
-        from lightning_roundpipe.runtime.casts import CastThread
-        from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
-
-        cast_run, math_run = CastThread._run, OptimizerWorker._run
-        previous: list[Any] = []
-
-        def casts_after_math(self: CastThread, job: Any) -> None:
-            job.math_done.wait()
-            cast_run(self, job)
-
-        def math_after_casts(self: OptimizerWorker, job: Any) -> None:
-            if previous:
-                previous[-1].finished.wait()
-            previous[:] = [job]
-            math_run(self, job)
-
-        with (
-            mock.patch.object(CastThread, "_run", casts_after_math),
-            mock.patch.object(OptimizerWorker, "_run", math_after_casts),
-        ):
             yield
         return
     if config.startswith("newcomer-host") and config != "newcomer-hostopt":  # the optimizer thread's intra-op

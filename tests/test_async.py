@@ -369,8 +369,8 @@ def test_double_buffering_casts_an_update_without_waiting_for_the_next_steps_las
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("double_buffer", [False, True])
 def test_slow_casts_are_not_overtaken_by_the_next_updates_math(monkeypatch, double_buffer):
-    """The casts run on their own thread: a cast that reads its master late must still read update t's, not
-    update t+1's (whose math on the group waits for it)."""
+    """A cast that reads its master late still reads update t's, not update t+1's: the next math on the group
+    must not overtake it (what a cast thread beside the math, tried on 2026-12-07, had to wait for)."""
     cast = optimizer_module.OptimizerWorker._cast
     monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (time.sleep(0.02), cast(self, *a)))
     model = mlp()
@@ -378,26 +378,6 @@ def test_slow_casts_are_not_overtaken_by_the_next_updates_math(monkeypatch, doub
     want = staleness_one_reference(model, data)
     got, _ = run_async(copy.deepcopy(model), data, last_of_step=True, double_buffer=double_buffer)
     assert relative_error(got, want) <= 1e-5
-
-
-@pytest.mark.timeout(60)
-def test_an_updates_casts_run_beside_its_math(monkeypatch):
-    """With a spare copy a group's cast follows its math at once, on the cast thread, while the optimizer thread
-    steps the next groups: the deepest group is cast before the shallowest is stepped."""
-    step = optimizer_module.OptimizerWorker._step_groups
-    monkeypatch.setattr(
-        optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (time.sleep(0.03), step(self, *a))[1]
-    )
-    model = mlp()
-    engine = PipelineEngine(
-        list(model.children()), [WorkerDevice("cpu", i) for i in range(2)], microbatches_per_round=2,
-        asynchronous=True, double_buffer=True,
-    )  # fmt: skip
-    trace = traced_steps(engine, model)
-    for t in range(3):
-        first_cast = min(e[3] for e in trace if e[0] == "cast" and e[1] == t)
-        last_math_start = max(e[3] for e in trace if e[0] == "update" and e[1] == t)
-        assert first_cast < last_math_start, f"update {t}'s casts waited for all of its math"
 
 
 @pytest.mark.timeout(60)

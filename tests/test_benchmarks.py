@@ -27,11 +27,10 @@ SMOKE = {
                 "--double-buffer", "first", *TINY],
     "hf_preset": ["--device", "cpu", "--model", "debug", "--configs", "handwritten,preset,preset-padded", "--seqs",
                   "4", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--in-process", *TINY],
-    # dynamo alone: the script's compile path, not AOT's (test_compile)
     "lightning_user": ["--device", "cpu", "--model", "debug", "--configs",
-                       "plain,newcomer,newcomer-serialcasts,tuned-2-gm0.6,fused-2-compile", "--seqs", "4",
-                       "--micro-batch", "2", "--steps", "2", "--warmup", "3", "--norm", "torch", "--compile-backend",
-                       "eager", "--in-process", *TINY],
+                       "plain,newcomer,tuned-2-gm0.6,fused-2-compile", "--seqs", "4", "--micro-batch", "2",
+                       "--steps", "2", "--warmup", "3", "--norm", "torch", "--compile-backend", "eager",
+                       "--in-process", *TINY],  # dynamo alone: the script's compile path, not AOT's (test_compile)
     "measuring_memory": ["--device", "cpu", "--layers", "3", "--width", "8", "--batch", "64"],
     "moe_lora": ["--device", "cpu", "--shape", "debug", "--seqs", "2", "--micro-batch", "1", "--steps", "1", *TINY],
     "optimizer_zoo": ["--only", "torch AdamW,torch Rprop", "--steps", "3"],

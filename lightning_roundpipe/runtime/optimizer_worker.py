@@ -6,14 +6,12 @@ barrier, by five edges (paper section 4.3):
 
 1. the cast of update k into a group's compute copy waits for step k+1's last upload of that group
    (double buffering, see :mod:`~lightning_roundpipe.runtime.host_store`: for step k's, since step
-   k+1 reads the other copy), and for update k's math on it;
+   k+1 reads the other copy);
 2. step k+2's first upload of the group waits for that cast;
 3. update k's math on a group waits for step k's last gradient write to it;
 4. step k+1's first gradient write to the group waits for update k's math on it (the gradients were
    read): one fp32 gradient buffer serves both;
-5. updates run in submission order, on one thread; their casts on another
-   (:mod:`~lightning_roundpipe.runtime.casts`), and update k+1's math on a group waits for update k's
-   cast of it (which reads the master the math overwrites).
+5. updates run in submission order, on one thread.
 
 The user's optimizer is driven through a *shadow* (:mod:`~lightning_roundpipe.runtime.shadow`): the same
 class, attributes and per-parameter state dicts, but its own parameter objects (sharing storage with the real
@@ -38,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_roundpipe.runtime.casts import CastThread
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.shadow import GroupSync, shadow_optimizer, steps_apart
@@ -107,9 +104,6 @@ class UpdateJob:
     the last ones to read the compute copy the cast overwrites."""
     math_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
-    """The math and the casts done (set by the cast thread, in submission order)."""
-    mastered: dict[int, threading.Event] = field(default_factory=dict)
-    """Per group this thread casts (the host's, ``cast`` only): set once its master holds the update."""
 
 
 class OptimizerWorker:
@@ -129,7 +123,6 @@ class OptimizerWorker:
         self._on_error = on_error
         self._jobs: queue.SimpleQueue[UpdateJob | None] = queue.SimpleQueue()
         self._last: UpdateJob | None = None
-        self._behind: dict[int, Gate] = {}  # the previous update's casts, which this one's math must not overtake
         self._shadows: dict[tuple[int, ...], Shadow] = {}
         self.grad_norms: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
         """(step, global 2-norm of its gradients before clipping) of the recent updates that computed it."""
@@ -143,7 +136,6 @@ class OptimizerWorker:
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
         self.resident: ResidentStates | None = None
         """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
-        self.casts = CastThread(store, lambda job, g: self._cast(job, g), on_error)
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
         self._thread.start()
 
@@ -185,17 +177,13 @@ class OptimizerWorker:
     def close(self, timeout: float = 30.0) -> bool:
         self._jobs.put(None)
         self._thread.join(timeout)
-        return self.casts.close(timeout) and not self._thread.is_alive()
+        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            resident = self.resident  # the device casts its own groups
-            if job.cast:
-                job.mastered = {g: threading.Event() for g in job.groups if resident is None or g not in resident.held}
-            self.casts.submit(job)
             try:
                 self._run(job)
             except PipelineAborted:
@@ -206,12 +194,11 @@ class OptimizerWorker:
                 if not self._decision(job.step).is_set():  # no decision (not scaled, or cut short)
                     self.decide(job.step, None)
                 job.math_done.set()
-                for mastered in job.mastered.values():
-                    mastered.set()
+                job.finished.set()
 
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
-        behind, self._behind = self._behind, job.cast_done
+        groups = job.groups
         if (resident := self.resident) is not None:  # the device updates and casts its groups; a resumed cast
             groups = [g for g in job.groups if g not in resident.held]  # comes with its states
             if job.spec is not None:
@@ -221,11 +208,30 @@ class OptimizerWorker:
                     self.grad_norms.append((job.step, norm))
                 self.last_update = (job.step, working)
                 if groups:  # the host's share, stepped as the device's gradients were
-                    self._math(job, behind, groups, norm, working)
+                    self._math(job, groups, norm, working)
             for g in resident.held.intersection(job.cast_done):
                 job.cast_done[g].set()
+            if not groups:
+                return
         elif job.spec is not None:
-            self._math(job, behind)
+            self._math(job)
+        job.math_done.set()
+        if not job.cast:
+            return
+        # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
+        # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
+        spare = [g for g in groups if self.store.groups[g].spare is not None]
+        single = [g for g in groups if self.store.groups[g].spare is None]
+        for g in spare:
+            for flight in job.window.flights if job.window is not None else ():
+                flight.wait_uploaded(g)
+            self._cast(job, g)
+        if single:
+            job.next_window.closed.wait()
+        for g in single:
+            for flight in job.next_window.flights:
+                flight.wait_uploaded(g)
+            self._cast(job, g)
 
     def _cast(self, job: UpdateJob, g: int) -> None:
         self.store.refresh_group(g, job.step + 2)
@@ -239,12 +245,9 @@ class OptimizerWorker:
             job.grads_complete[g].wait()
         return math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in groups))
 
-    def _math(
-        self, job: UpdateJob, behind: dict[int, Gate], groups: Any = None, given: float | None = None, done: float = 0.0
-    ) -> None:
-        """The host's math of ``groups`` (default: the job's), each after the previous update's cast of it
-        (``behind``); with a share of the states on the device, the global norm it measured (``given``) and the
-        seconds its update took (``done``) come along."""
+    def _math(self, job: UpdateJob, groups: Any = None, given: float | None = None, done: float = 0.0) -> None:
+        """The host's math of ``groups`` (default: the job's); with a share of the states on the device, the
+        global norm it measured (``given``) and the seconds its update took (``done``) come along."""
         assert job.spec is not None
         groups = job.groups if groups is None else groups
         shadow = self._shadow(job.spec.optimizer)
@@ -292,8 +295,6 @@ class OptimizerWorker:
         for part in [[g] for g in stepped] if shadow.apart else [stepped]:
             for g in part:
                 complete(g)
-                if g in behind:
-                    behind[g].wait()
             start = time.perf_counter()
             for g in part:
                 grad = self._grad(g)
@@ -304,15 +305,11 @@ class OptimizerWorker:
             self._step_groups(shadow, part)
             for g in part:
                 job.consumed[g].set()
-                if exchange is None and g in job.mastered:
-                    job.mastered[g].set()  # (with nodes: once the owners' broadcast wrote every group)
             end = time.perf_counter()
             working += end - start
             if self.trace is not None:
                 self.trace.extend(("update", job.step, g, start, end) for g in part)
         if exchange is not None:
-            for gate in behind.values():
-                gate.wait()
             exchange.broadcast_all(job.groups)  # every node's masters now hold the update
         self.last_update = (job.step, working)  # one assignment: a reader never pairs two steps
 
