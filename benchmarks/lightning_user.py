@@ -864,6 +864,7 @@ class _Remember(L.Callback):
             "optimizer_states": "host" if engine.resident is None else "device" if engine.resident.whole else "share",
             "resident_gib": 0.0 if engine.resident is None else engine.resident.need / GiB,  # the states on the GPU
             "share_switch": trainer.strategy._share.outcome,  # "auto" moved a share to the GPU: paces, kept or not
+            "share_weighed": trainer.strategy._share.weighed,  # its last offer: the times, the share or none, why
             "transit_peak_gib": engine.pool.peak_buffer_bytes / GiB,
             "kernels": trainer.strategy.kernels,
             "compilations": compilations(),  # torch.compile's in the process (compile=...), and their seconds

@@ -149,6 +149,9 @@ class ShareSwitch:
         """The share offered, moved, or kept."""
         self.outcome: dict[str, Any] | None = None
         """Once judged: the share, both paces (seconds per million input elements) and whether it was kept."""
+        self.weighed: dict[str, Any] | None = None
+        """The last offer (host and device seconds, the share or ``None``, its states against what may hold them,
+        GiB): why a run that the host bounds moved nothing (one H100 at 24 GiB, 2026-12-07: no share, no record)."""
         self._times: tuple[float, float] = (0.0, 0.0)
         self._before: float | None = None  # the host's pace, once the share runs
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
@@ -167,11 +170,17 @@ class ShareSwitch:
         """The host's step (``host_s``) judged longer than the devices' (``device_s``): whether a share moves."""
         if not self.eligible or self._done or self.share is not None:
             return self.share is not None and not self._done
-        share = share_for(engine.store, engine.caches.ceiling, host_s, device_s)
-        if share is not None and engine.caches.ceiling is not None:  # (whole groups: at least the deepest one)
+        ceiling = engine.caches.ceiling
+        share = share_for(engine.store, ceiling, host_s, device_s)
+        held = 0
+        if share is not None and ceiling is not None:  # (whole groups: at least the deepest one)
             held = resident_bytes(engine.store, groups=deepest_share(engine.store, share))
-            share = share if held <= AUTO_SHARE * engine.caches.ceiling else None
+            share = share if held <= AUTO_SHARE * ceiling else None
         self.share, self._times = share, (host_s, device_s)
+        self.weighed = {
+            "host_s": host_s, "device_s": device_s, "share": share, "held_gib": held / 2**30,
+            "may_hold_gib": None if ceiling is None else AUTO_SHARE * ceiling / 2**30,
+        }  # fmt: skip
         return share is not None
 
     def _offer_on_waits(self, engine: PipelineEngine) -> None:

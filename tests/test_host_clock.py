@@ -164,6 +164,15 @@ def test_workers_waiting_for_the_host_offer_a_share_though_its_math_is_the_short
     engine.worker_waits = {"update reads": 0.22, "casts": 0.12}
     switch._offer_on_waits(engine)
     assert switch.share == pytest.approx(1 - 0.8 * 0.5 / 0.84)
+    assert switch.weighed["share"] == switch.share and switch.weighed["host_s"] == pytest.approx(0.84)
+    # under a limit whose half holds less than the deepest group's states: nothing moves, and the record says why
+    small = ShareSwitch()
+    small.automatic = True
+    small.watch(True)
+    engine.caches.ceiling = 0.3 * resident_bytes(store)  # share_for: 0.15, but whole groups hold 0.25
+    small._offer_on_waits(engine)
+    assert small.share is None and small.weighed["share"] is None
+    assert small.weighed["held_gib"] > small.weighed["may_hold_gib"] > 0
     ineligible = ShareSwitch()  # (not "auto", several GPUs, a fixed plan...)
     ineligible._offer_on_waits(engine)
     assert ineligible.share is None
