@@ -41,7 +41,7 @@
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
 #        auto-share-24gib (issue 39: every default, "auto" moving a share where the host bounds the step, against the host)
 #        auto-share-default (its defaults alone)
-#        devopt-80gb (issue 39: on an 80 GB card every state on the GPU, a share, or the host, 8 a step and fixed)
+#        devopt-80gb (issue 39: an 80 GB card, every state on the GPU by hand or by ShareSwitch.whole, or the host)
 #        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
@@ -302,14 +302,15 @@ for step in "${steps[@]}"; do
     devopt-80gb)  # issue 39 on an 80 GB card (the H100s this week), full card: "auto" keeps the states on the host
       # there, since their 32 GiB (20 bytes a parameter) are just over half of gpu_memory (31.7 GiB), though the plan
       # |30 needs about 27 GiB beside them; the host then bounds the step at 8 a step (22,062 real tokens/s; a share of
-      # 0.45 ran its steady steps at 0.52 s against 0.75, 2026-12-07). Expected: newcomer-devopt fits (NVML under
-      # 66 GiB) and runs 1.4-1.9x the defaults at 8 a step, and at least the defaults at fixed 32 x 2048; if so "auto"
-      # should put the states where a plan as fast fits beside them, not by the half rule. About 480 s
-      run devopt-80gb-8 320 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
-        --configs newcomer,newcomer-devopt,newcomer-share0.45 --warmup 10 --steps 8 --config-timeout 100 \
+      # 0.45 ran its steady steps at 0.52 s against 0.75, 2026-12-07). newcomer-whole: ShareSwitch.whole on (every
+      # state moved at the first plan where one about as fast fits beside them). Expected: newcomer-devopt and
+      # newcomer-whole fit (NVML under 66 GiB) and run 1.4-1.9x the defaults at 8 a step, and at least the defaults at
+      # fixed 32 x 2048; newcomer-whole moved before step 4 (share_switch in the result). If so, whole = True. About 560 s
+      run devopt-80gb-8 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
+        --configs newcomer,newcomer-whole,newcomer-devopt --warmup 10 --steps 8 --config-timeout 100 \
         --out "$OUT/devopt-80gb-8.json"
-      run devopt-80gb-fixed 200 python benchmarks/lightning_user.py --configs newcomer,newcomer-devopt --warmup 8 \
-        --steps 6 --config-timeout 90 --out "$OUT/devopt-80gb-fixed.json" ;;
+      run devopt-80gb-fixed 220 python benchmarks/lightning_user.py --configs newcomer,newcomer-whole --warmup 8 \
+        --steps 6 --config-timeout 100 --out "$OUT/devopt-80gb-fixed.json" ;;
     share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
       # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
       # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved

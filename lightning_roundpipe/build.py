@@ -140,7 +140,8 @@ def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str 
     if planner.profile is None and planner.fitted is not None and planner.memory_limit is not None:
         before = planner.memory_limit
         limit = before + (0 if engine.resident is None else engine.resident.need)  # the device's, states and plan
-        held = resident_bytes(store, groups=deepest_share(store, place)) if not isinstance(place, str) else 0
+        held = resident_bytes(store) if place == "device" else 0
+        held = resident_bytes(store, groups=deepest_share(store, place)) if not isinstance(place, str) else held
         if planner.plan_for_memory(store, limit - held) is None:
             return None
         planner.plan_for_memory(store, before)  # (the running plan's costs again: what the state saves)

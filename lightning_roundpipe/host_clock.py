@@ -156,12 +156,14 @@ class ShareSwitch:
         self._before: float | None = None  # the host's pace, once the share runs
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
         self._done = False
+        self._whole: bool | None = None  # whether every state may move at the first plan (None: weighed already)
 
     def watch(self, eligible: bool, clock: HostStepClock | None = None) -> None:
         """At setup, or on an engine built again elsewhere: whether it may move a share
         (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
         self.eligible = eligible and self.automatic
         self.share, self._before, self._engine, self._done = None, None, None, False
+        self._whole = eligible and self.whole
         if clock is not None:
             self.outcome = None
             clock.restart()
@@ -196,12 +198,57 @@ class ShareSwitch:
     waited = 0.15
     """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""
 
+    whole = False
+    """Whether ``"auto"`` moves every state to the GPU at the first plan where a plan about as fast fits beside them
+    (:meth:`_fits_whole`), not only where they take at most half of ``gpu_memory``. On one H100 80GB (8 sequences
+    of 256-4096 tokens a step, 2026-12-07) the 32 GiB of states were just over half of its 63.4 GiB, the plan ``|30``
+    needed about 27 GiB beside them, and the host bounded the step: 22,062 real tokens/s, where a share of 0.45 ran
+    its steady steps at 0.52 s against 0.75. Off until measured on a GPU (``gpu_checks.sh devopt-80gb``)."""
+    as_fast = 1.05
+    """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
+
+    def _fits_whole(self, engine: PipelineEngine) -> bool:
+        """Whether a plan about as fast as the running one (:attr:`as_fast`; or the same plan and count) fits in what
+        every state leaves of the planner's limit: then the host's step, its casts and the uploads of the weights
+        leave the step and nothing is slower. Recorded in :attr:`weighed`."""
+        planner, store = engine.planner, engine.store
+        limit, states = planner.memory_limit, resident_bytes(engine.store)
+        if limit is None or states >= limit:
+            self.weighed = {"whole_gib": states / 2**30, "limit_gib": limit and limit / 2**30, "beside": None}
+            return False
+        running, period = (
+            (planner.plan, planner.microbatches_per_round),
+            min(planner.candidate_periods.values(), default=None),
+        )
+        beside = planner.plan_for_memory(store, limit - states)
+        fast = beside is not None and (
+            (beside, planner.microbatches_per_round) == running
+            or (period is not None and min(planner.candidate_periods.values()) <= self.as_fast * period)
+        )
+        planner.plan_for_memory(store, limit)  # (the running plan's costs again)
+        self.weighed = {
+            "whole_gib": states / 2**30, "limit_gib": limit / 2**30, "beside": None if beside is None else str(beside),
+            "as_fast": fast,
+        }  # fmt: skip
+        return fast
+
     def apply(self, strategy: Any, engine_arguments: Callable[[], EngineArguments]) -> None:
         """Before a training batch: the offered share moved, or the moved one judged, where it is time
         (``engine_arguments``: asked for only then)."""
         engine = strategy.engine
         if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
             self.watch(could_share(engine, engine_arguments()))
+        planned = engine.planner.fitted is not None and engine.planner.profile is None
+        if self._whole and planned and engine.steps.between_steps():
+            self._whole = None  # weighed once, before the first step after the first plan
+            if self._fits_whole(engine) and (again := build_placed(engine, engine_arguments(), "device")) is not None:
+                self._done, self._engine = True, _install(strategy, again)
+                self.outcome = {"share": 1.0, "kept": True, "judged": False}
+                rank_zero_info(
+                    "roundpipe: every optimizer state moved to the GPU (optimizer_on='auto'): a plan about as fast as"
+                    " the first fits beside them"
+                )
+                return
         if not self.eligible or self._done or not engine.steps.between_steps():
             return
         if strategy.lightning_module.trainer.accumulate_grad_batches > CacheWatch.window:

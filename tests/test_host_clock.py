@@ -138,6 +138,80 @@ def test_a_share_moved_during_training_trains_as_the_host_built_again_at_the_sam
     assert relative_error(flat_weights(back), flat_weights(twice)) <= 1e-6
 
 
+def _start():
+    return fit(lambda: BoringPipeline(depth=4), {"accelerator": "cpu", "devices": 1, "max_steps": 0})
+
+
+class _Whole(_Offered):
+    """Lets the switch weigh every state at the first plan, as on a GPU whose plan may use ``factor`` times the
+    states' bytes (CPU workers have no limit)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__(0.0)
+        self.factor = factor
+
+    def on_train_start(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        trainer.strategy._share._whole = True
+        engine.planner.memory_limit = self.factor * resident_bytes(engine.store)
+
+
+@pytest.mark.timeout(180)
+def test_every_state_moves_at_the_first_plan_where_one_as_fast_fits_beside_them(monkeypatch):
+    """ShareSwitch.whole: before the first step on the first plan, every state to the GPU where the same plan fits
+    beside them, without a trial; equal to the host's engine built again at the same batch."""
+    moved = _Whole(1e6)
+    strategy = RoundPipeStrategy(num_microbatches=2)
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [moved], "strategy": strategy}
+    module = fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192))
+    assert len(moved.engines) == 2 and moved.engines[0][2] is None and moved.engines[1][2].whole
+    assert strategy._share.outcome == {"share": 1.0, "kept": True, "judged": False}
+    assert strategy._share.weighed["as_fast"] is True and strategy.options.optimizer_on == "auto"
+    assert [e[0] for e in moved.engines] == [1, 3]  # (two batches measure the layers; the third is on the plan)
+
+    monkeypatch.setattr(host_clock, "build_placed", _rebuilt_on_the_host)
+    host = _Whole(1e6)
+    kwargs = {**kwargs, "callbacks": [host], "strategy": RoundPipeStrategy(num_microbatches=2)}
+    reference = fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192))
+    assert [e[0] for e in host.engines] == [e[0] for e in moved.engines]  # built again at the same step
+    assert relative_error(flat_weights(module), flat_weights(reference)) <= 1e-6
+    assert relative_error(flat_weights(module), flat_weights(_start())) > 1e-3
+
+    stays = _Whole(1.0)  # the states alone take the limit: nothing moves, and the record says so
+    fit(lambda: BoringPipeline(depth=4), {**kwargs, "callbacks": [stays], "strategy": (kept := RoundPipeStrategy())})
+    assert len(stays.engines) == 1 and kept._share.outcome is None and kept._share.weighed["beside"] is None
+
+
+class _Planner:
+    """A planner whose plan under a limit is ``plans[limit]``: (plan, micro-batches, simulated seconds a batch)."""
+
+    def __init__(self, plans: dict[float, tuple[str, int, float]], limit: float) -> None:
+        self.plans, self.memory_limit = plans, limit
+        self.plan, self.microbatches_per_round, period = plans[limit]
+        self.candidate_periods = {self.microbatches_per_round: period}
+
+    def plan_for_memory(self, store, limit):
+        if limit not in self.plans:
+            return None
+        plan, self.microbatches_per_round, period = self.plans[limit]
+        self.candidate_periods, self.memory_limit = {self.microbatches_per_round: period}, limit
+        return plan
+
+
+def test_every_state_moves_only_beside_a_plan_about_as_fast():
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    states = resident_bytes(store)
+    limit = 3.0 * states
+    for beside, moves in [(("|4", 1, 1.0), True), (("2|1,1", 2, 1.04), True), (("2|1,1", 2, 1.2), False)]:
+        planner = _Planner({limit: ("|4", 1, 1.0), limit - states: beside}, limit)
+        switch = ShareSwitch()
+        assert switch._fits_whole(SimpleNamespace(planner=planner, store=store)) is moves
+        assert (planner.plan, planner.memory_limit, planner.candidate_periods) == ("|4", limit, {1: 1.0})  # restored
+        assert switch.weighed["as_fast"] is moves and switch.weighed["beside"] == beside[0]
+    planner = _Planner({limit: ("|4", 1, 1.0)}, limit)  # nothing fits beside them
+    assert ShareSwitch()._fits_whole(SimpleNamespace(planner=planner, store=store)) is False
+
+
 @pytest.mark.timeout(120)
 def test_an_engine_built_again_elsewhere_during_the_trial_is_not_judged_as_the_share(monkeypatch):
     """A parameter frozen while the share is on trial: the engine built again for it is the default's (the host
