@@ -8,7 +8,8 @@ Skipping the math of the deepest 35% of the parameters (as if their states were 
 their states would leave ran 21,664. :class:`ShareSwitch` does that for real where the host bounds the step:
 the deepest share that brings the host's step under the devices' (at most half of ``gpu_memory``) goes to the GPU,
 and is kept only where it runs faster. It is off (:attr:`ShareSwitch.automatic`) until a judgement that holds on a
-GPU: the one run so far kept a share that was slower.
+GPU: the one run so far kept a share that was slower. Where every state fits beside a plan about as fast (an 80 GB
+card), it can move them all at the first plan instead (:attr:`ShareSwitch.whole`, off until measured).
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ class ShareSwitch:
     of 256-4096 tokens a step, 2026-12-07) it moved 30% at step 12 and kept it on one window of four batches that ran
     15% faster per token, but steps 13-32 then took 5-19% longer than the host's in another call (16,157 real
     tokens/s against 19,135-19,185; NVML 23.9 GiB, 12 cache releases): the share's smaller plan slowed the long
-    batches more than it sped up the short ones, and the one-sided window did not see it (docs/benchmarks.md)."""
+    batches more than it sped up the short ones, and the one-sided window did not see it (docs/benchmarks.md). Set
+    by hand the same day, shares of 0.25-0.35 ran 1.12-1.13x the host in one call at 8 a step, and 0.3 ran 0.65x the
+    host at 32 a step (not host-bound); forced on, the switch moved nothing in one run (:attr:`weighed` since)."""
 
     def __init__(self) -> None:
         self.eligible = False
