@@ -16,7 +16,7 @@ from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, 
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
-from lightning_roundpipe.runtime.placement import AUTO_SHARE, deepest_share, resident_bytes
+from lightning_roundpipe.runtime.placement import AUTO_SHARE, STATES_MOST, deepest_share, resident_bytes
 from lightning_roundpipe.runtime.shadow import wrapped_optimizer
 
 
@@ -142,8 +142,8 @@ def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str 
         limit = before + (0 if engine.resident is None else engine.resident.need)  # the device's, states and plan
         held = resident_bytes(store) if place == "device" else 0
         held = resident_bytes(store, groups=deepest_share(store, place)) if not isinstance(place, str) else held
-        if planner.plan_for_memory(store, limit - held) is None:
-            return None
+        if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
+            return None  # (past STATES_MOST the engine built with them would refuse them)
         planner.plan_for_memory(store, before)  # (the running plan's costs again: what the state saves)
     engine.flush()
     state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)

@@ -27,8 +27,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_roundpipe.build import EngineArguments, build_placed, could_share
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.cache import CacheWatch
+from lightning_roundpipe.engine.planner import unchanged
 from lightning_roundpipe.runtime.callers import outside_package
-from lightning_roundpipe.runtime.placement import AUTO_SHARE, deepest_share, resident_bytes, share_for
+from lightning_roundpipe.runtime.placement import AUTO_SHARE, STATES_MOST, deepest_share, resident_bytes, share_for
 
 
 class HostStepClock:
@@ -160,6 +161,7 @@ class ShareSwitch:
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
         self._done = False
         self._whole: bool | None = None  # whether every state may move at the first plan (None: weighed already)
+        self._clock: HostStepClock | None = None  # the fit's, judged afresh once every state moved
 
     def watch(self, eligible: bool, clock: HostStepClock | None = None) -> None:
         """At setup, or on an engine built again elsewhere: whether it may move a share
@@ -168,7 +170,7 @@ class ShareSwitch:
         self.share, self._before, self._engine, self._done = None, None, None, False
         self._whole = eligible and self.whole
         if clock is not None:
-            self.outcome = None
+            self.outcome, self._clock = None, clock
             clock.restart()
 
     def offer(self, engine: PipelineEngine, host_s: float, device_s: float) -> bool:
@@ -211,29 +213,30 @@ class ShareSwitch:
     """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
 
     def _fits_whole(self, engine: PipelineEngine) -> bool:
-        """Whether a plan about as fast as the running one (:attr:`as_fast`; or the same plan and count) fits in what
-        every state leaves of the planner's limit: then the host's step, its casts and the uploads of the weights
-        leave the step and nothing is slower. Recorded in :attr:`weighed`."""
+        """Whether a plan about as fast as the running one (the same plan and count, or simulated seconds per batch
+        within :attr:`as_fast`, both simulated now) fits in what every state leaves of the planner's limit, the
+        states within :data:`STATES_MOST` of it: then the host's step, its casts and the uploads of the weights leave
+        the step and nothing is slower. The planner is left as it was; recorded in :attr:`weighed`."""
         planner, store = engine.planner, engine.store
         limit, states = planner.memory_limit, resident_bytes(engine.store)
-        if limit is None or states >= limit:
-            self.weighed = {"whole_gib": states / 2**30, "limit_gib": limit and limit / 2**30, "beside": None}
-            return False
-        running, period = (
-            (planner.plan, planner.microbatches_per_round),
-            min(planner.candidate_periods.values(), default=None),
-        )
-        beside = planner.plan_for_memory(store, limit - states)
-        fast = beside is not None and (
-            (beside, planner.microbatches_per_round) == running
-            or (period is not None and min(planner.candidate_periods.values()) <= self.as_fast * period)
-        )
-        planner.plan_for_memory(store, limit)  # (the running plan's costs again)
         self.weighed = {
-            "whole_gib": states / 2**30, "limit_gib": limit / 2**30, "beside": None if beside is None else str(beside),
-            "as_fast": fast,
-        }  # fmt: skip
-        return fast
+            "whole_gib": states / 2**30,
+            "limit_gib": limit and limit / 2**30,
+            "beside": None,
+            "as_fast": False,
+        }
+        if limit is None or states >= STATES_MOST * limit:
+            return False
+        with unchanged(planner):
+            here = planner.plan_for_memory(store, limit)
+            running = (here, planner.microbatches_per_round, min(planner.candidate_periods.values(), default=None))
+            beside = planner.plan_for_memory(store, limit - states)
+            period = min(planner.candidate_periods.values(), default=None)
+            same = beside is not None and (beside, planner.microbatches_per_round) == running[:2]
+            fast = beside is not None and planner.chooses_microbatches and None not in (period, running[2])
+            fast = fast and period <= self.as_fast * running[2]  # (a count given: no periods simulated)
+        self.weighed.update(beside=None if beside is None else str(beside), as_fast=same or fast)
+        return same or fast
 
     def apply(self, strategy: Any, engine_arguments: Callable[[], EngineArguments]) -> None:
         """Before a training batch: the offered share moved, or the moved one judged, where it is time
@@ -247,6 +250,8 @@ class ShareSwitch:
             if self._fits_whole(engine) and (again := build_placed(engine, engine_arguments(), "device")) is not None:
                 self._done, self._engine = True, _install(strategy, again)
                 self.outcome = {"share": 1.0, "kept": True, "judged": False}
+                if self._clock is not None:
+                    self._clock.restart()  # (its window held the host's steps)
                 rank_zero_info(
                     "roundpipe: every optimizer state moved to the GPU (optimizer_on='auto'): a plan about as fast as"
                     " the first fits beside them"

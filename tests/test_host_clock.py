@@ -15,7 +15,8 @@ from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.placement import SHARE_FLOOR, resident_bytes, share_for
+from lightning_roundpipe.runtime.placement import SHARE_FLOOR, STATES_MOST, resident_bytes, share_for
+from lightning_roundpipe.strategy import _engine_arguments
 
 
 def test_a_host_step_longer_than_the_devices_is_reported_once_when_settled():
@@ -185,16 +186,18 @@ def test_every_state_moves_at_the_first_plan_where_one_as_fast_fits_beside_them(
 class _Planner:
     """A planner whose plan under a limit is ``plans[limit]``: (plan, micro-batches, simulated seconds a batch)."""
 
-    def __init__(self, plans: dict[float, tuple[str, int, float]], limit: float) -> None:
-        self.plans, self.memory_limit = plans, limit
+    def __init__(self, plans: dict[float, tuple[str, int, float]], limit: float, chooses: bool = True) -> None:
+        self.plans, self.memory_limit, self.chooses_microbatches = plans, limit, chooses
         self.plan, self.microbatches_per_round, period = plans[limit]
-        self.candidate_periods = {self.microbatches_per_round: period}
+        self.candidate_periods = {self.microbatches_per_round: period} if chooses else {}
+        self.layer_costs = self.planned_elements = self.memory_elements = None
 
     def plan_for_memory(self, store, limit):
         if limit not in self.plans:
             return None
         plan, self.microbatches_per_round, period = self.plans[limit]
-        self.candidate_periods, self.memory_limit = {self.microbatches_per_round: period}, limit
+        self.candidate_periods = {self.microbatches_per_round: period} if self.chooses_microbatches else {}
+        self.memory_limit = limit
         return plan
 
 
@@ -202,14 +205,74 @@ def test_every_state_moves_only_beside_a_plan_about_as_fast():
     store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
     states = resident_bytes(store)
     limit = 3.0 * states
-    for beside, moves in [(("|4", 1, 1.0), True), (("2|1,1", 2, 1.04), True), (("2|1,1", 2, 1.2), False)]:
-        planner = _Planner({limit: ("|4", 1, 1.0), limit - states: beside}, limit)
+    cases = [
+        (("|4", 1, 1.0), True, True),
+        (("|4", 1, 1.2), True, True),  # the same plan and count: as fast, whatever the simulation says
+        (("2|1,1", 2, 1.04), True, True),  # within 1.05x
+        (("2|1,1", 2, 1.2), True, False),
+        (("2|1,1", 2, 1.0), False, False),  # a count given: no periods to compare, another plan is not as fast
+    ]
+    for beside, chooses, moves in cases:
+        planner = _Planner({limit: ("|4", 1, 1.0), limit - states: beside}, limit, chooses)
+        planner.microbatches_per_round = 3  # (what the running plan has since: left as it is)
         switch = ShareSwitch()
         assert switch._fits_whole(SimpleNamespace(planner=planner, store=store)) is moves
-        assert (planner.plan, planner.memory_limit, planner.candidate_periods) == ("|4", limit, {1: 1.0})  # restored
+        assert (planner.microbatches_per_round, planner.memory_limit) == (3, limit)
         assert switch.weighed["as_fast"] is moves and switch.weighed["beside"] == beside[0]
+    switch = ShareSwitch()
     planner = _Planner({limit: ("|4", 1, 1.0)}, limit)  # nothing fits beside them
-    assert ShareSwitch()._fits_whole(SimpleNamespace(planner=planner, store=store)) is False
+    assert switch._fits_whole(SimpleNamespace(planner=planner, store=store)) is False
+    assert switch.weighed["beside"] is None and planner.memory_limit == limit
+    near = _Planner({1.2 * states: ("|4", 1, 1.0), 0.2 * states: ("|4", 1, 1.0)}, 1.2 * states)
+    assert switch._fits_whole(SimpleNamespace(planner=near, store=store)) is False  # over 0.8 of the limit
+
+
+def test_the_whole_move_is_armed_per_engine_only_where_switched_on(monkeypatch):
+    switch = ShareSwitch()
+    switch.watch(True)
+    assert not switch._whole  # off by default
+    monkeypatch.setattr(ShareSwitch, "whole", True)
+    switch.watch(True)
+    assert switch._whole and not switch.eligible  # (the share's switch stays off)
+    switch.watch(False)  # several GPUs, a fixed plan, the states on the GPU already...
+    assert not switch._whole
+
+
+class _Weighs(L.Callback):
+    """Weighs every state beside the plan mid-run, on a real planner (CPU workers: a limit set by hand)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.unchanged, self.weighed, self.placed = factor, None, None, "not tried"
+
+    def on_train_start(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        engine.planner.memory_limit = 1e6 * resident_bytes(engine.store)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        planner = trainer.strategy.engine.planner
+        if trainer.global_step != 4:
+            return
+        names = ("plan", "microbatches_per_round", "candidate_periods", "memory_limit", "layer_costs")
+        before = [getattr(planner, name) for name in (*names, "planned_elements", "memory_elements")]
+        planner.memory_limit = self.factor * resident_bytes(trainer.strategy.engine.store)
+        before[3] = planner.memory_limit
+        switch = ShareSwitch()
+        switch._fits_whole(trainer.strategy.engine)
+        after = [getattr(planner, name) for name in (*names, "planned_elements", "memory_elements")]
+        self.unchanged, self.weighed = after == before, switch.weighed
+        if self.factor < 1 / STATES_MOST:  # the engine built with every state would refuse them: not built
+            self.placed = build.build_placed(trainer.strategy.engine, _engine_arguments(trainer.strategy), "device")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("factor", [1e6, 1.3, 1.1])
+def test_weighing_every_state_leaves_the_running_planner_as_it_was(factor):
+    weighs = _Weighs(factor)
+    kwargs = {"accelerator": "cpu", "devices": 1, "max_steps": 5, "callbacks": [weighs], "strategy": "roundpipe"}
+    fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192))
+    assert weighs.unchanged is True
+    assert weighs.weighed["as_fast"] is {1e6: True, 1.3: weighs.weighed["as_fast"], 1.1: False}[factor]
+    assert weighs.placed is None if factor < 1 / STATES_MOST else weighs.placed == "not tried"
 
 
 @pytest.mark.timeout(120)

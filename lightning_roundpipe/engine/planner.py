@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 
 from lightning_roundpipe.engine.drift import DriftChecks
@@ -335,3 +336,17 @@ class AutoPlanner(DriftChecks, MicrobatchSizes):
                 self.layer_costs, self.num_workers, self.num_microbatches, plan=self.plan,
                 handoff=handoff or 0.0,
             ).bubble_ratio  # fmt: skip
+
+
+@contextlib.contextmanager
+def unchanged(planner: AutoPlanner) -> Iterator[None]:
+    """Plans tried inside (:meth:`AutoPlanner.plan_for_memory`) leave ``planner`` as it was: its plan and count, their
+    simulated periods and costs, and its memory limit. Choosing again under the old limit is no restore: the shapes
+    and transfer rates it chooses from move with every batch."""
+    names = ("plan", "microbatches_per_round", "candidate_periods", "memory_limit", "layer_costs")
+    saved = {name: getattr(planner, name) for name in (*names, "planned_elements", "memory_elements")}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(planner, name, value)

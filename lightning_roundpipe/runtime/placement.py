@@ -17,6 +17,8 @@ AUTO_SHARE = 0.5
 SHARE_FLOOR = 0.1
 """The least share ``"auto"`` moves to the device where the host's step bounds the step (:func:`share_for`): a
 smaller one takes little off the host and still halves what the plan may use."""
+STATES_MOST = 0.8
+"""The most of a device's limit its resident states may take: the plan's stages need the rest."""
 SHARE_TARGET = 0.8
 """What ``"auto"``'s share brings the host's step to, of the devices' (the smaller plan the states leave makes the
 devices slower)."""

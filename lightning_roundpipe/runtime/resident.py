@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.placement import STATE_BYTES, resident_bytes
+from lightning_roundpipe.runtime.placement import STATE_BYTES, STATES_MOST, resident_bytes
 from lightning_roundpipe.runtime.profile import TransferRate
 from lightning_roundpipe.runtime.shadow import GroupSync, optimizer_over, steps_apart
 
@@ -85,7 +85,7 @@ class ResidentStates:
     def plan_limit(self, memory_limit: float | None) -> float | None:
         """What the plan's stages may use on the device beside these states (``None``: no limit)."""
         need = self.need
-        if memory_limit is not None and need >= 0.8 * memory_limit:
+        if memory_limit is not None and need >= STATES_MOST * memory_limit:
             raise ValueError(
                 f"optimizer_on='device' keeps {need / 2**30:.1f} GiB of training states on the device, too much of"
                 f" the {memory_limit / 2**30:.1f} GiB it may use: use optimizer_on='host'"
