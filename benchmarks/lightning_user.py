@@ -41,6 +41,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-nomirror``: the defaults without the copy of each update's fp32 masters to the host's (4 bytes a
   parameter device to host, since 2026-12-07, so that the module's weights move during training as on the host
   path): what that copy costs where the states are on the GPU (an experiment; the module then sits at the last flush);
+- ``newcomer-autoshare``: the defaults with ``ShareSwitch.automatic`` on (off by default since 2026-12-07): ``"auto"``
+  moves a share of the states to the GPU where the host bounds the step, on trial (set in the configuration's own
+  process: a setting in the parent's is not seen);
 - ``newcomer-whole``: the defaults with ``ShareSwitch.whole`` on (since 2026-12-07, off by default): ``"auto"`` moves
   every state to the GPU at the first plan where a plan about as fast fits beside them, not only where they take at
   most half of ``gpu_memory`` (``share_switch`` and ``share_weighed`` in the result say whether and why);
@@ -428,7 +431,7 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror", "newcomer-whole")
+    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror", "newcomer-whole", "newcomer-autoshare")
     if config in same or config.startswith(("newcomer-width", "newcomer-switch")):
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
@@ -469,7 +472,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-whole, newcomer-devopt, newcomer-hostopt,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-whole, newcomer-autoshare, newcomer-devopt,"
+        " newcomer-hostopt,"
         " newcomer-noop, newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
         " newcomer-split, newcomer-sync,"
         " newcomer-split-tiled, tuned-N, tuned-N-gmF, fused-N (roundpipe's: -compile or -eager after it),"
@@ -687,10 +691,10 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(ResidentStates, "_mirror", lambda self, g, updated: None):
             yield
         return
-    if config == "newcomer-whole":  # every state to the GPU where a plan about as fast fits beside them
+    if config in ("newcomer-whole", "newcomer-autoshare"):  # every state, or a share, to the GPU (host_clock)
         from lightning_roundpipe.host_clock import ShareSwitch
 
-        with mock.patch.object(ShareSwitch, "whole", True):
+        with mock.patch.object(ShareSwitch, "whole" if config == "newcomer-whole" else "automatic", True):
             yield
         return
     if config.startswith("newcomer-host") and config != "newcomer-hostopt":  # the optimizer thread's intra-op

@@ -145,7 +145,7 @@ class ShareSwitch:
     tokens/s against 19,135-19,185; NVML 23.9 GiB, 12 cache releases): the share's smaller plan slowed the long
     batches more than it sped up the short ones, and the one-sided window did not see it (docs/benchmarks.md). Set
     by hand the same day, shares of 0.25-0.35 ran 1.12-1.13x the host in one call at 8 a step, and 0.3 ran 0.65x the
-    host at 32 a step (not host-bound); forced on, the switch moved nothing in one run (:attr:`weighed` since)."""
+    host at 32 a step (not host-bound)."""
 
     def __init__(self) -> None:
         self.eligible = False
@@ -155,7 +155,7 @@ class ShareSwitch:
         """Once judged: the share, both paces (seconds per million input elements) and whether it was kept."""
         self.weighed: dict[str, Any] | None = None
         """The last offer (host and device seconds, the share or ``None``, its states against what may hold them,
-        GiB): why a run that the host bounds moved nothing (one H100 at 24 GiB, 2026-12-07: no share, no record)."""
+        GiB): why a run that the host bounds moved nothing, which the result of a run does not say otherwise."""
         self._times: tuple[float, float] = (0.0, 0.0)
         self._before: float | None = None  # the host's pace, once the share runs
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
