@@ -162,13 +162,14 @@ class ShareSwitch:
         self._done = False
         self._whole: bool | None = None  # whether every state may move at the first plan (None: weighed already)
         self._clock: HostStepClock | None = None  # the fit's, judged afresh once every state moved
+        self._moved: PipelineEngine | None = None  # the engine built with every state on the GPU, while it runs
 
     def watch(self, eligible: bool, clock: HostStepClock | None = None) -> None:
         """At setup, or on an engine built again elsewhere: whether it may move a share
         (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
         self.eligible = eligible and self.automatic
         self.share, self._before, self._engine, self._done = None, None, None, False
-        self._whole = eligible and self.whole
+        self._whole, self._moved = eligible and self.whole, None
         if clock is not None:
             self.outcome, self._clock = None, clock
             clock.restart()
@@ -238,25 +239,48 @@ class ShareSwitch:
         self.weighed.update(beside=None if beside is None else str(beside), as_fast=same or fast)
         return same or fast
 
-    def apply(self, strategy: Any, engine_arguments: Callable[[], EngineArguments]) -> None:
-        """Before a training batch: the offered share moved, or the moved one judged, where it is time
-        (``engine_arguments``: asked for only then)."""
-        engine = strategy.engine
-        if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
-            self.watch(could_share(engine, engine_arguments()))
-        planned = engine.planner.fitted is not None and engine.planner.profile is None
-        if self._whole and planned and engine.steps.between_steps():
+    def _move_whole(
+        self, strategy: Any, engine: PipelineEngine, engine_arguments: Callable[[], EngineArguments]
+    ) -> bool:
+        """Every state to the GPU before the first step on the first plan, where they fit beside a plan about as
+        fast; back to the host, once, where a batch then ran out of device memory beside them (the plan was made for
+        the lengths seen so far). Whether the engine was built again."""
+        if not engine.steps.between_steps():
+            return False
+        if self._whole and engine.planner.fitted is not None and engine.planner.profile is None:
             self._whole = None  # weighed once, before the first step after the first plan
             if self._fits_whole(engine) and (again := build_placed(engine, engine_arguments(), "device")) is not None:
                 self._done, self._engine = True, _install(strategy, again)
-                self.outcome = {"share": 1.0, "kept": True, "judged": False}
+                self._moved, self.outcome = again, {"share": 1.0, "kept": True, "judged": False}
                 if self._clock is not None:
                     self._clock.restart()  # (its window held the host's steps)
                 rank_zero_info(
                     "roundpipe: every optimizer state moved to the GPU (optimizer_on='auto'): a plan about as fast as"
                     " the first fits beside them"
                 )
-                return
+                return True
+        if engine is self._moved and engine.recovery.recovered:
+            self._moved = None
+            if (back := build_placed(engine, engine_arguments(), "host")) is not None:
+                self._engine, self.outcome = _install(strategy, back), {"share": 1.0, "kept": False, "judged": False}
+                if self._clock is not None:
+                    self._clock.restart()
+                warnings.warn(
+                    "roundpipe: a batch ran out of device memory beside every optimizer state, which optimizer_on="
+                    "'auto' had moved to the GPU for the lengths seen by its first plan: they are back on the host",
+                    stacklevel=outside_package(),
+                )
+                return True
+        return False
+
+    def apply(self, strategy: Any, engine_arguments: Callable[[], EngineArguments]) -> None:
+        """Before a training batch: the offered share moved, or the moved one judged, where it is time
+        (``engine_arguments``: asked for only then)."""
+        engine = strategy.engine
+        if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
+            self.watch(could_share(engine, engine_arguments()))
+        if self._move_whole(strategy, engine, engine_arguments):
+            return
         if not self.eligible or self._done or not engine.steps.between_steps():
             return
         if strategy.lightning_module.trainer.accumulate_grad_batches > CacheWatch.window:

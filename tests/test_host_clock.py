@@ -147,14 +147,19 @@ class _Whole(_Offered):
     """Lets the switch weigh every state at the first plan, as on a GPU whose plan may use ``factor`` times the
     states' bytes (CPU workers have no limit)."""
 
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, oom_at: int | None = None) -> None:
         super().__init__(0.0)
-        self.factor = factor
+        self.factor, self.oom_at = factor, oom_at
 
     def on_train_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
         trainer.strategy._share._whole = True
         engine.planner.memory_limit = self.factor * resident_bytes(engine.store)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == self.oom_at:  # as if this batch had run again after running out of memory
+            trainer.strategy.engine.recovery.recovered += 1
 
 
 @pytest.mark.timeout(180)
@@ -181,6 +186,31 @@ def test_every_state_moves_at_the_first_plan_where_one_as_fast_fits_beside_them(
     stays = _Whole(1.0)  # the states alone take the limit: nothing moves, and the record says so
     fit(lambda: BoringPipeline(depth=4), {**kwargs, "callbacks": [stays], "strategy": (kept := RoundPipeStrategy())})
     assert len(stays.engines) == 1 and kept._share.outcome is None and kept._share.weighed["beside"] is None
+
+
+@pytest.mark.timeout(180)
+def test_every_state_goes_back_to_the_host_once_a_batch_ran_out_of_memory_beside_them(monkeypatch):
+    """The move is made for the lengths the first plan saw: where a later batch ran out of device memory beside the
+    states (and ran again on a smaller plan), they go back to the host before the next step, once, with a warning;
+    equal to the host's engine built again at the same batches."""
+
+    def run(callback: _Whole) -> tuple[L.LightningModule, RoundPipeStrategy]:
+        strategy = RoundPipeStrategy(num_microbatches=2)
+        kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [callback], "strategy": strategy}
+        return fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192)), strategy
+
+    moved = _Whole(1e6, oom_at=5)
+    with pytest.warns(UserWarning, match="ran out of device memory beside every optimizer state"):
+        module, strategy = run(moved)
+    assert [(e[0], e[2] is not None) for e in moved.engines] == [(1, False), (3, True), (6, False)]
+    assert strategy._share.outcome == {"share": 1.0, "kept": False, "judged": False}
+    on_host = lambda engine, arguments, place: build.build_placed(engine, arguments, "host")  # noqa: E731
+    monkeypatch.setattr(host_clock, "build_placed", on_host)
+    twice = _Whole(1e6, oom_at=5)
+    with pytest.warns(UserWarning, match="ran out of device memory"):
+        reference, _ = run(twice)
+    assert [e[0] for e in twice.engines] == [1, 3, 6]
+    assert relative_error(flat_weights(module), flat_weights(reference)) <= 1e-6
 
 
 class _Planner:
