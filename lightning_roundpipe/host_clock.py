@@ -154,8 +154,10 @@ class ShareSwitch:
         self.outcome: dict[str, Any] | None = None
         """Once judged: the share, both paces (seconds per million input elements) and whether it was kept."""
         self.weighed: dict[str, Any] | None = None
-        """The last offer (host and device seconds, the share or ``None``, its states against what may hold them,
-        GiB): why a run that the host bounds moved nothing, which the result of a run does not say otherwise."""
+        """What it last weighed: the workers' waits for the host against the devices' compute, and where they
+        offered a share, the host and device seconds, the share or ``None`` and its states against what may hold
+        them (GiB); or every state against the limit and the plan beside them. Why a run moved nothing, which its
+        result does not say otherwise."""
         self._times: tuple[float, float] = (0.0, 0.0)
         self._before: float | None = None  # the host's pace, once the share runs
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
@@ -198,8 +200,11 @@ class ShareSwitch:
         worker still waited 0.34 s a batch for the casts and the updated weights. The clock never judged it."""
         waits, device = engine.worker_waits, engine.stats.compute_s
         waited = waits.get("update reads", 0.0) + waits.get("casts", 0.0)
+        weighed = {"waited_s": waited, "compute_s": device, "share": None}
         if device and waited > self.waited * device:
             self.offer(engine, device + waited, device)
+            weighed.update(self.weighed or {})
+        self.weighed = weighed
 
     waited = 0.15
     """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""

@@ -327,11 +327,12 @@ def test_workers_waiting_for_the_host_offer_a_share_though_its_math_is_the_short
     switch.watch(True)
     engine.worker_waits = {"update reads": 0.04, "casts": 0.03, "launch": 0.3}  # (launch: not the host's step)
     switch._offer_on_waits(engine)
-    assert switch.share is None
+    assert switch.share is None and switch.weighed == {"waited_s": pytest.approx(0.07), "compute_s": 0.5, "share": None}
     engine.worker_waits = {"update reads": 0.22, "casts": 0.12}
     switch._offer_on_waits(engine)
     assert switch.share == pytest.approx(1 - 0.8 * 0.5 / 0.84)
     assert switch.weighed["share"] == switch.share and switch.weighed["host_s"] == pytest.approx(0.84)
+    assert switch.weighed["waited_s"] == pytest.approx(0.34)
     # under a limit whose half holds less than the deepest group's states: nothing moves, and the record says why
     small = ShareSwitch()
     small.automatic = True
