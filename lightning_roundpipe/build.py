@@ -11,6 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.engine.planner import unchanged
 from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
@@ -138,13 +139,12 @@ def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str 
     if not engine.steps.between_steps():
         return None
     if planner.profile is None and planner.fitted is not None and planner.memory_limit is not None:
-        before = planner.memory_limit
-        limit = before + (0 if engine.resident is None else engine.resident.need)  # the device's, states and plan
-        held = resident_bytes(store) if place == "device" else 0
-        held = resident_bytes(store, groups=deepest_share(store, place)) if not isinstance(place, str) else held
-        if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
-            return None  # (past STATES_MOST the engine built with them would refuse them)
-        planner.plan_for_memory(store, before)  # (the running plan's costs again: what the state saves)
+        limit = planner.memory_limit + (0 if engine.resident is None else engine.resident.need)  # states and plan
+        groups = () if place == "host" else None if place == "device" else deepest_share(store, place)
+        held = resident_bytes(store, groups=groups)  # (None: every trainable group)
+        with unchanged(planner):  # (the running plan's costs: what the state saves)
+            if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
+                return None  # (past STATES_MOST the engine built with them would refuse them)
     engine.flush()
     state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
     again = _rebuilt(engine, replace(arguments, options=replace(arguments.options, optimizer_on=place)))
