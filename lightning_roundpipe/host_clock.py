@@ -162,7 +162,7 @@ class ShareSwitch:
         self._before: float | None = None  # the host's pace, once the share runs
         self._engine: PipelineEngine | None = None  # the engine this switch built (or judged)
         self._done = False
-        self._whole: bool | None = None  # whether every state may move at the first plan (None: weighed already)
+        self._whole: str | None = None  # when every state may move: "first" plan, once its "waits" are measured
         self._clock: HostStepClock | None = None  # the fit's, judged afresh once every state moved
         self._moved: PipelineEngine | None = None  # the engine built with every state on the GPU, while it runs
 
@@ -171,7 +171,7 @@ class ShareSwitch:
         (:func:`~lightning_roundpipe.build.could_share`); ``clock``: a new fit's, judged afresh."""
         self.eligible = eligible and self.automatic
         self.share, self._before, self._engine, self._done = None, None, None, False
-        self._whole, self._moved = eligible and self.whole, None
+        self._whole, self._moved = "first" if eligible and self.whole else None, None
         if clock is not None:
             self.outcome, self._clock = None, clock
             clock.restart()
@@ -218,11 +218,13 @@ class ShareSwitch:
     as_fast = 1.05
     """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
 
-    def _fits_whole(self, engine: PipelineEngine) -> bool:
+    def _fits_whole(self, engine: PipelineEngine, stretch: float = 1.0) -> bool:
         """Whether a plan about as fast as the running one (the same plan and count, or simulated seconds per batch
-        within :attr:`as_fast`, both simulated now) fits in what every state leaves of the planner's limit, the
-        states within :data:`STATES_MOST` of it: then the host's step, its casts and the uploads of the weights leave
-        the step and nothing is slower. The planner is left as it was; recorded in :attr:`weighed`."""
+        within :attr:`as_fast` of the running plan's times ``stretch``, both simulated now) fits in what every state
+        leaves of the planner's limit, the states within :data:`STATES_MOST` of it: then the host's step, its casts
+        and the uploads of the weights leave the step and nothing is slower. ``stretch``: how much longer the
+        running plan's batches take than its compute, measured (the workers' waits for the host). The planner is
+        left as it was; recorded in :attr:`weighed`."""
         planner, store = engine.planner, engine.store
         limit, states = planner.memory_limit, resident_bytes(engine.store)
         self.weighed = {
@@ -240,30 +242,56 @@ class ShareSwitch:
             period = min(planner.candidate_periods.values(), default=None)
             same = beside is not None and (beside, planner.microbatches_per_round) == running[:2]
             fast = beside is not None and planner.chooses_microbatches and None not in (period, running[2])
-            fast = fast and period <= self.as_fast * running[2]  # (a count given: no periods simulated)
+            fast = fast and period <= self.as_fast * stretch * running[2]  # (a count given: no periods simulated)
         self.weighed.update(beside=None if beside is None else str(beside), as_fast=same or fast)
+        if beside is not None and period is not None and running[2]:
+            self.weighed["simulated"] = period / running[2]  # the plan beside them, of the running plan's period
         return same or fast
+
+    def _fits_waited(self, engine: PipelineEngine) -> bool:
+        """Once the first plan settled with every state on the host: whether the plan beside them is faster than
+        the running one as it runs, its compute stretched by the workers' waits for the host's updates (their reads
+        and casts), where those waits are over :attr:`waited` of the compute. On one H100 80GB (8 sequences of
+        256-4096 tokens a step, 2026-12-07) the plan beside every state simulated more than 1.05x the running one's
+        seconds, but the workers waited 0.40 s a batch for the host, and every state on the GPU ran 33,349 real
+        tokens/s against the host's 22,203."""
+        waits, device = engine.worker_waits, engine.stats.compute_s
+        waited = waits.get("update reads", 0.0) + waits.get("casts", 0.0)
+        measured = {"waited_s": waited, "compute_s": device}
+        if not device or waited <= self.waited * device:
+            self.weighed = {**(self.weighed or {}), **measured, "as_fast": False}
+            return False
+        fits = self._fits_whole(engine, stretch=(device + waited) / device)
+        self.weighed.update(measured, stretch=(device + waited) / device)
+        return fits
 
     def _move_whole(
         self, strategy: Any, engine: PipelineEngine, engine_arguments: Callable[[], EngineArguments]
     ) -> bool:
         """Every state to the GPU before the first step on the first plan, where they fit beside a plan about as
-        fast; back to the host, once, where a batch then ran out of device memory beside them (the plan was made for
-        the lengths seen so far). Whether the engine was built again."""
+        fast, or else once that plan settled, where the plan beside them is faster than it runs with the host's waits
+        (:meth:`_fits_waited`); back to the host, once, where a batch then ran out of device memory beside them (the
+        plan was made for the lengths seen so far). Whether the engine was built again."""
         if not engine.steps.between_steps():
             return False
-        if self._whole and engine.planner.fitted is not None and engine.planner.profile is None:
-            self._whole = None  # weighed once, before the first step after the first plan
-            if self._fits_whole(engine) and (again := build_placed(engine, engine_arguments(), "device")) is not None:
-                self._done, self._engine = True, _install(strategy, again)
-                self._moved, self.outcome = again, {"share": 1.0, "kept": True, "judged": False}
-                if self._clock is not None:
-                    self._clock.restart()  # (its window held the host's steps)
-                rank_zero_info(
-                    "roundpipe: every optimizer state moved to the GPU (optimizer_on='auto'): a plan about as fast as"
-                    " the first fits beside them"
-                )
-                return True
+        if self._whole == "first" and engine.planner.fitted is not None and engine.planner.profile is None:
+            fits = self._fits_whole(engine)  # before the first step after the first plan: about as fast unwaited
+            self._whole = "waits" if not fits and self.weighed and self.weighed["beside"] is not None else None
+        elif self._whole == "waits" and engine.caches.pace() is not None:
+            self._whole, fits = None, self._fits_waited(engine)  # settled on its plan: the host's waits measured
+        else:
+            fits = False
+        if fits and (again := build_placed(engine, engine_arguments(), "device")) is not None:
+            self._done, self._engine = True, _install(strategy, again)
+            self._moved, self.outcome = again, {"share": 1.0, "kept": True, "judged": False}
+            if self._clock is not None:
+                self._clock.restart()  # (its window held the host's steps)
+            rank_zero_info(
+                "roundpipe: every optimizer state moved to the GPU (optimizer_on='auto'): a plan"
+                + (" faster than the host's" if "stretch" in (self.weighed or {}) else " about as fast as the first")
+                + " fits beside them"
+            )
+            return True
         if engine is self._moved and engine.recovery.recovered:
             self._moved = None
             if (back := build_placed(engine, engine_arguments(), "host")) is not None:

@@ -11,6 +11,7 @@ import torch
 from helpers import BoringPipeline, boring_data, fit, flat_weights, relative_error
 
 from lightning_roundpipe import RoundPipeStrategy, build, host_clock
+from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
@@ -153,7 +154,7 @@ class _Whole(_Offered):
 
     def on_train_start(self, trainer, pl_module):
         engine = trainer.strategy.engine
-        trainer.strategy._share._whole = True
+        trainer.strategy._share._whole = "first"
         engine.planner.memory_limit = self.factor * resident_bytes(engine.store)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -255,6 +256,57 @@ def test_every_state_moves_only_beside_a_plan_about_as_fast():
     assert switch.weighed["beside"] is None and planner.memory_limit == limit
     near = _Planner({1.2 * states: ("|4", 1, 1.0), 0.2 * states: ("|4", 1, 1.0)}, 1.2 * states)
     assert switch._fits_whole(SimpleNamespace(planner=near, store=store)) is False  # over 0.8 of the limit
+
+
+def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_host_as_it_runs():
+    """Declined at the first plan (simulated 1.5x the running plan's seconds), every state moves once the plan
+    settled where the workers' waits for the host stretch its compute more than that; small waits do not weigh."""
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    limit = 3.0 * resident_bytes(store)
+    cases = [
+        ({"update reads": 0.3, "casts": 0.2, "launch": 0.5}, True),  # stretch 2.0: 1.5 x 1.05 <= 2.0 x 1.0
+        ({"update reads": 0.1, "casts": 0.1}, False),  # stretch 1.4: slower than the host as it runs
+        ({"casts": 0.05, "launch": 5.0}, False),  # under `waited` of the compute (launch: not the host's)
+    ]
+    for waits, moves in cases:
+        planner = _Planner({limit: ("|4", 1, 1.0), limit - resident_bytes(store): ("2|1,1", 2, 1.5)}, limit)
+        engine = SimpleNamespace(planner=planner, store=store, worker_waits=waits, stats=SimpleNamespace(compute_s=0.5))
+        switch = ShareSwitch()
+        assert switch._fits_whole(engine) is False and switch.weighed["simulated"] == 1.5
+        assert switch._fits_waited(engine) is moves and switch.weighed["as_fast"] is moves
+        waited = waits.get("update reads", 0) + waits["casts"]
+        assert switch.weighed["waited_s"] == pytest.approx(waited) and switch.weighed["compute_s"] == 0.5
+        assert switch.weighed.get("stretch", 1 + waited / 0.5) == pytest.approx(1 + waited / 0.5)
+
+
+@pytest.mark.timeout(180)
+def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_workers(monkeypatch):
+    """The first weighing declined; the workers waited for the host on the settled plan: every state moves before
+    the next step, once, equal to the host's engine built again at the same batch."""
+    weighs = ShareSwitch._fits_whole
+
+    def declined_first(switch, engine, stretch=1.0):  # (on CPU workers the same plan fits beside them)
+        return weighs(switch, engine, stretch) and stretch > 1.0
+
+    monkeypatch.setattr(ShareSwitch, "_fits_whole", declined_first)
+    monkeypatch.setattr(PipelineEngine, "worker_waits", property(lambda engine: {"casts": 1.0}))
+
+    def run(callback: _Whole) -> tuple[L.LightningModule, RoundPipeStrategy]:
+        strategy = RoundPipeStrategy(num_microbatches=2)
+        kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [callback], "strategy": strategy}
+        return fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192)), strategy
+
+    moved = _Whole(1e6)
+    module, strategy = run(moved)
+    steps = [e[0] for e in moved.engines]
+    assert len(steps) == 2 and steps[1] > 3 and moved.engines[1][2].whole  # not at the first plan (step 3)
+    assert strategy._share.outcome == {"share": 1.0, "kept": True, "judged": False}
+    assert strategy._share.weighed["stretch"] > 1 and strategy._share._whole is None
+    monkeypatch.setattr(host_clock, "build_placed", _rebuilt_on_the_host)
+    host = _Whole(1e6)
+    reference, _ = run(host)
+    assert [e[0] for e in host.engines] == steps
+    assert relative_error(flat_weights(module), flat_weights(reference)) <= 1e-6
 
 
 def test_the_whole_move_is_armed_per_engine_only_where_switched_on(monkeypatch):
