@@ -44,9 +44,10 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-autoshare``: the defaults with ``ShareSwitch.automatic`` on (off by default since 2026-12-07): ``"auto"``
   moves a share of the states to the GPU where the host bounds the step, on trial (set in the configuration's own
   process: a setting in the parent's is not seen);
-- ``newcomer-whole``: the defaults with ``ShareSwitch.whole`` on (since 2026-12-07, off by default): ``"auto"`` moves
-  every state to the GPU at the first plan where a plan about as fast fits beside them, not only where they take at
-  most half of ``gpu_memory`` (``share_switch`` and ``share_weighed`` in the result say whether and why);
+- ``newcomer-nowhole``: the defaults with ``ShareSwitch.whole`` off (on by default since 2026-12-07, when ``"auto"``
+  began to move every state to the GPU where a plan about as fast as the host's fits beside them, not only where they
+  take at most half of ``gpu_memory``; ``share_switch`` and ``share_weighed`` in the result say whether and why): the
+  default before it; ``newcomer-whole``: the same switch on, which is now the defaults;
 - ``newcomer-sgd``: ``newcomer-hostopt`` with ``torch.optim.SGD(self.parameters(), lr=1e-5)`` instead of AdamW (an
   experiment: the host's step then moves 12 bytes a parameter through memory instead of AdamW's 28, so where the
   host bounds the step this shows what the devices would give with a lighter one);
@@ -431,7 +432,14 @@ def strategy_for(
     if config.startswith(("zero2-offload", "zero3-offload")):
         return zero_offload(int(config[4]), capped), False
     same = ("newcomer", "newcomer-chunked", "newcomer-cudnn", "newcomer-flash", "newcomer-flattened")
-    same += ("newcomer-blocking", "newcomer-keepcache", "newcomer-nomirror", "newcomer-whole", "newcomer-autoshare")
+    same += (
+        "newcomer-blocking",
+        "newcomer-keepcache",
+        "newcomer-nomirror",
+        "newcomer-whole",
+        "newcomer-autoshare",
+        "newcomer-nowhole",
+    )
     if config in same or config.startswith(("newcomer-width", "newcomer-switch")):
         return "roundpipe", False
     if config in ("newcomer-hostopt", "newcomer-sgd", "newcomer-noop") or config.startswith("newcomer-host"):
@@ -472,7 +480,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-whole, newcomer-autoshare, newcomer-devopt,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-whole, newcomer-nowhole, newcomer-autoshare,"
+        " newcomer-devopt,"
         " newcomer-hostopt,"
         " newcomer-noop, newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
         " newcomer-split, newcomer-sync,"
@@ -691,10 +700,11 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(ResidentStates, "_mirror", lambda self, g, updated: None):
             yield
         return
-    if config in ("newcomer-whole", "newcomer-autoshare"):  # every state, or a share, to the GPU (host_clock)
+    if config in ("newcomer-whole", "newcomer-nowhole", "newcomer-autoshare"):  # every state, or a share, to the GPU
         from lightning_roundpipe.host_clock import ShareSwitch
 
-        with mock.patch.object(ShareSwitch, "whole" if config == "newcomer-whole" else "automatic", True):
+        switch = "automatic" if config == "newcomer-autoshare" else "whole"
+        with mock.patch.object(ShareSwitch, switch, config != "newcomer-nowhole"):
             yield
         return
     if config.startswith("newcomer-host") and config != "newcomer-hostopt":  # the optimizer thread's intra-op

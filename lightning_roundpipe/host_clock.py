@@ -8,8 +8,8 @@ Skipping the math of the deepest 35% of the parameters (as if their states were 
 their states would leave ran 21,664. :class:`ShareSwitch` does that for real where the host bounds the step:
 the deepest share that brings the host's step under the devices' (at most half of ``gpu_memory``) goes to the GPU,
 and is kept only where it runs faster. It is off (:attr:`ShareSwitch.automatic`) until a judgement that holds on a
-GPU: the one run so far kept a share that was slower. Where every state fits beside a plan about as fast (an 80 GB
-card), it can move them all at the first plan instead (:attr:`ShareSwitch.whole`, off until measured).
+GPU: the one run so far kept a share that was slower. Where every state fits beside a plan about as fast as the
+host's (an 80 GB card), it moves them all instead (:attr:`ShareSwitch.whole`, on).
 """
 
 from __future__ import annotations
@@ -209,12 +209,15 @@ class ShareSwitch:
     waited = 0.15
     """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""
 
-    whole = False
-    """Whether ``"auto"`` moves every state to the GPU at the first plan where a plan about as fast fits beside them
-    (:meth:`_fits_whole`), not only where they take at most half of ``gpu_memory``. On one H100 80GB (8 sequences
-    of 256-4096 tokens a step, 2026-12-07) the 32 GiB of states were just over half of its 63.4 GiB, the plan ``|30``
-    needed about 27 GiB beside them, and the host bounded the step: 22,062 real tokens/s, where a share of 0.45 ran
-    its steady steps at 0.52 s against 0.75. Off until measured on a GPU (``gpu_checks.sh devopt-80gb``)."""
+    whole = True
+    """Whether ``"auto"`` moves every state to the GPU where a plan fits beside them that is about as fast at the first
+    plan (:meth:`_fits_whole`), or faster than the host's as it runs once that plan settled (:meth:`_fits_waited`),
+    not only where they take at most half of ``gpu_memory``. On one H100 80GB (8 sequences of 256-4096 tokens a
+    step, 2026-12-07) the 32 GiB of states were just over half of its 63.3 GiB and the host bounded the step: 22,203
+    real tokens/s, every state on the GPU by hand 33,349. The plan beside them simulated 1.21x the running one's
+    seconds, so the first weighing declined; the workers waited 0.34 s a batch for the host against 2.19 s of
+    compute, so the second moved them at step 12, in 11 s, after which the steps took 0.31-0.57 s against the
+    host's 0.75. Fixed 32 x 2048 on the same card: no waits, nothing moved (48,113 and 47,913)."""
     as_fast = 1.05
     """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
 

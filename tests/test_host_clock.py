@@ -312,10 +312,13 @@ def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_w
 def test_the_whole_move_is_armed_per_engine_only_where_switched_on(monkeypatch):
     switch = ShareSwitch()
     switch.watch(True)
-    assert not switch._whole  # off by default
+    assert switch._whole == "first" and not switch.eligible  # on by default (the share's switch stays off)
+    monkeypatch.setattr(ShareSwitch, "whole", False)
+    switch.watch(True)
+    assert not switch._whole
     monkeypatch.setattr(ShareSwitch, "whole", True)
     switch.watch(True)
-    assert switch._whole and not switch.eligible  # (the share's switch stays off)
+    assert switch._whole
     switch.watch(False)  # several GPUs, a fixed plan, the states on the GPU already...
     assert not switch._whole
 
