@@ -253,19 +253,22 @@ class ShareSwitch:
 
     def _fits_waited(self, engine: PipelineEngine) -> bool:
         """Once the first plan settled with every state on the host: whether the plan beside them is faster than
-        the running one as it runs, its compute stretched by the workers' waits for the host's updates (their reads
-        and casts), where those waits are over :attr:`waited` of the compute. On one H100 80GB (8 sequences of
-        256-4096 tokens a step, 2026-12-07) the plan beside every state simulated more than 1.05x the running one's
-        seconds, but the workers waited 0.40 s a batch for the host, and every state on the GPU ran 33,349 real
-        tokens/s against the host's 22,203."""
-        waits, device = engine.worker_waits, engine.stats.compute_s
-        waited = waits.get("update reads", 0.0) + waits.get("casts", 0.0)
-        measured = {"waited_s": waited, "compute_s": device}
-        if not device or waited <= self.waited * device:
-            self.weighed = {**(self.weighed or {}), **measured, "as_fast": False}
+        the running one as it runs, its batches stretched by the workers' waits for the host's updates (their reads
+        and casts): a batch's wall time (:meth:`CacheWatch.interval`) against that time less those waits, where they
+        are over :attr:`waited` of the rest. On one H100 80GB (8 sequences of 256-4096 tokens a step, 2026-12-07) the
+        plan beside every state simulated 1.2x the running one's seconds, the workers waited about 0.45 s of 0.8 s a
+        batch for the host, and every state on the GPU ran 33,477 real tokens/s against the host's 20,827. (Those
+        runs stretched the devices' busy seconds by the waits instead: 2.5 s a batch, the kernels' events spanning
+        the weights' uploads; the move then passed by 1.18 against 1.20 / 1.05.)"""
+        waited = sum(engine.worker_waits.get(reason, 0.0) for reason in ("update reads", "casts"))
+        period = engine.caches.interval()
+        self.weighed = {**(self.weighed or {}), "waited_s": waited, "period_s": period, "as_fast": False}
+        if not period or waited <= self.waited * max(0.0, period - waited):
             return False
-        fits = self._fits_whole(engine, stretch=(device + waited) / device)
-        self.weighed.update(measured, stretch=(device + waited) / device)
+        stretch = period / (period - waited) if waited < period else float("inf")
+        weighed = self.weighed
+        fits = self._fits_whole(engine, stretch=stretch)
+        self.weighed = {**weighed, **self.weighed, "stretch": stretch}
         return fits
 
     def _move_whole(

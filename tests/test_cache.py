@@ -83,6 +83,20 @@ def test_a_faster_smaller_plan_is_kept_after_both_are_timed():
     assert drive(watch, planner, range(19, 40)) == []
 
 
+def test_a_settled_plan_gives_its_wall_seconds_a_batch_and_none_on_trial():
+    """What ShareSwitch stretches by the host's waits: the mean interval between dispatches over the pace's window,
+    only where the pace is given (settled, not on trial)."""
+    watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.25, "B": 0.8})
+    device.freeing = False
+    drive(watch, planner, range(5))
+    assert watch.interval() is None and watch.pace() is None  # calls 0-1 settle; four intervals from call 6
+    drive(watch, planner, range(5, 7))
+    assert watch.interval() == pytest.approx(1.25) and watch.pace() == pytest.approx(1.25 / 8)
+    device.freeing = True
+    drive(watch, planner, range(7, 13))  # B on trial
+    assert watch.interval() is None
+
+
 def test_a_smaller_plan_that_is_not_faster_is_left_and_the_watch_stops():
     watch, planner, _ = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.99})  # 1% is timing noise
     assert drive(watch, planner, range(13)) == [(6, "B"), (12, "A")]

@@ -260,23 +260,29 @@ def test_every_state_moves_only_beside_a_plan_about_as_fast():
 
 def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_host_as_it_runs():
     """Declined at the first plan (simulated 1.5x the running plan's seconds), every state moves once the plan
-    settled where the workers' waits for the host stretch its compute more than that; small waits do not weigh."""
+    settled where the workers' waits for the host stretch its batches' wall time more than that; small waits do not
+    weigh."""
     store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
     limit = 3.0 * resident_bytes(store)
-    cases = [
-        ({"update reads": 0.3, "casts": 0.2, "launch": 0.5}, True),  # stretch 2.0: 1.5 x 1.05 <= 2.0 x 1.0
-        ({"update reads": 0.1, "casts": 0.1}, False),  # stretch 1.4: slower than the host as it runs
-        ({"casts": 0.05, "launch": 5.0}, False),  # under `waited` of the compute (launch: not the host's)
+    cases = [  # a batch every 0.8 s
+        ({"update reads": 0.25, "casts": 0.2, "launch": 0.5}, 0.8 / 0.35, True),  # 1.5 x 1.05 <= 2.29
+        ({"update reads": 0.1, "casts": 0.1}, 0.8 / 0.6, False),  # 1.33: slower than the host as it runs
+        ({"casts": 0.9}, float("inf"), True),  # (waits summed over a batch's stages, past its wall time)
+        ({"casts": 0.05, "launch": 5.0}, None, False),  # under `waited` of the rest (launch: not the host's)
     ]
-    for waits, moves in cases:
+    for waits, stretch, moves in cases:
         planner = _Planner({limit: ("|4", 1, 1.0), limit - resident_bytes(store): ("2|1,1", 2, 1.5)}, limit)
-        engine = SimpleNamespace(planner=planner, store=store, worker_waits=waits, stats=SimpleNamespace(compute_s=0.5))
+        caches = SimpleNamespace(interval=lambda: 0.8)
+        engine = SimpleNamespace(planner=planner, store=store, worker_waits=waits, caches=caches)
         switch = ShareSwitch()
         assert switch._fits_whole(engine) is False and switch.weighed["simulated"] == 1.5
         assert switch._fits_waited(engine) is moves and switch.weighed["as_fast"] is moves
         waited = waits.get("update reads", 0) + waits["casts"]
-        assert switch.weighed["waited_s"] == pytest.approx(waited) and switch.weighed["compute_s"] == 0.5
-        assert switch.weighed.get("stretch", 1 + waited / 0.5) == pytest.approx(1 + waited / 0.5)
+        assert switch.weighed["waited_s"] == pytest.approx(waited) and switch.weighed["period_s"] == 0.8
+        assert switch.weighed.get("stretch") == pytest.approx(stretch)
+        assert switch.weighed["simulated"] == 1.5 if stretch else "stretch" not in switch.weighed
+    unsettled = SimpleNamespace(worker_waits={"casts": 1.0}, caches=SimpleNamespace(interval=lambda: None))
+    assert ShareSwitch()._fits_waited(unsettled) is False
 
 
 @pytest.mark.timeout(180)

@@ -169,6 +169,13 @@ class CacheWatch:
         trial; ``None`` until there are that many."""
         return self._pace() if self._trial is None and len(self._times) > self.window else None
 
+    def interval(self) -> float | None:
+        """Seconds per batch between dispatches over the same window as :meth:`pace` (``None`` where it is): a
+        batch's wall time on the running plan, waits included."""
+        if self.pace() is None:
+            return None
+        return (self._times[-1][0] - self._times[0][0]) / (len(self._times) - 1)
+
     def _pace(self) -> float:
         """Seconds per unit of work between the first and the last dispatch of the window: per input element
         where the batches said (:meth:`ran`; a language model's batches differ in length), else per sample."""
