@@ -176,6 +176,8 @@ def fresh_engine(engine: PipelineEngine, arguments: EngineArguments) -> Pipeline
 def _rebuilt(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine:
     engine.close()
     engine.store.release()  # only the masters stay (they are the parameters): the new store copies them
+    for device in engine.devices:  # the old plan's cached blocks: the new engine's (every state on an H100 80GB
+        device.release_cached()  # beside another plan) reused some and grew the reserve 2.5 GiB past the limit
     precision = arguments.precision
     again = build_engine(
         arguments.layers, arguments.devices, arguments.options, precision.compute_dtype, engine.asynchronous, True,

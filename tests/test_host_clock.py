@@ -15,6 +15,7 @@ from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_clock import HostStepClock, ShareSwitch
+from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.placement import SHARE_FLOOR, STATES_MOST, resident_bytes, share_for
 from lightning_roundpipe.strategy import _engine_arguments
@@ -302,8 +303,11 @@ def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_w
         kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [callback], "strategy": strategy}
         return fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192)), strategy
 
+    released = []
+    monkeypatch.setattr(WorkerDevice, "release_cached", lambda device: released.append(device))
     moved = _Whole(1e6)
     module, strategy = run(moved)
+    assert len(released) == 1  # the old engine's cached blocks given back before the new one allocates
     steps = [e[0] for e in moved.engines]
     assert len(steps) == 2 and steps[1] > 3 and moved.engines[1][2].whole  # not at the first plan (step 3)
     assert strategy._share.outcome == {"share": 1.0, "kept": True, "judged": False}
