@@ -43,6 +43,7 @@ class Planner:
     def __init__(self, plans: dict[float, str], limit: float = 8.0) -> None:
         self.plans, self.memory_limit = plans, limit
         self.plan, self.plan_since, self.measuring, self.microbatches_per_round = plans[limit], 0, False, 2
+        self.candidate_periods = self.layer_costs = self.planned_elements = self.memory_elements = None
 
     def plan_for_memory(self, store, limit: float) -> str | None:
         fits = [k for k in self.plans if k <= limit + 1e-9]
@@ -124,6 +125,25 @@ def test_a_limit_that_chooses_the_same_plan_is_passed_over():
     assert (watch.lowered, planner.memory_limit) == (2, 4.5)
     assert drive(watch, planner, range(19, 40)) == []  # 3.4 fits nothing: the limit stays, nothing more tried
     assert (watch.stopped, planner.memory_limit) == (True, 4.5)
+
+
+class Simulating(Planner):
+    """A planner whose every choice leaves what it simulated (as the real one's candidate periods)."""
+
+    def plan_for_memory(self, store, limit: float) -> str | None:
+        self.candidate_periods = {"simulated under": limit}
+        return super().plan_for_memory(store, limit)
+
+
+def test_lower_limits_that_choose_the_same_plan_leave_the_planner_as_it_runs():
+    """Nothing differs under a lower limit: the planner is put back as it was, not chosen again under the old limit
+    (the shapes it would choose from have moved since the running plan was chosen)."""
+    device, planner = Freeing("cpu"), Simulating({8.0: "A", 6.0: "A", 4.5: "A"})
+    planner.candidate_periods = {"running": 1.0}
+    watch = CacheWatch([device], planner, None, Clock(lambda: 1.0))  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="The plan stays"):
+        assert drive(watch, planner, range(30)) == []
+    assert (planner.candidate_periods, planner.memory_limit, watch.stopped) == ({"running": 1.0}, 8.0, True)
 
 
 def test_frees_without_a_smaller_plan_warn_once_and_the_limit_stays():

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from lightning_roundpipe.engine.planner import AutoPlanner
+from lightning_roundpipe.engine.planner import AutoPlanner, snapshot
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.host_store import HostStore
@@ -188,7 +188,7 @@ class CacheWatch:
         """The first plan (or micro-batch count) that differs from the running one under a lower limit."""
         planner, self._streak = self.planner, 0
         before, running = planner.memory_limit, (planner.plan, planner.microbatches_per_round)
-        limit, steps = before, 0
+        limit, steps, restore = before, 0, snapshot(planner)
         while before is not None and limit is not None and self._tried + steps < self.limit:
             steps += 1
             plan = planner.plan_for_memory(self.store, self.factor * limit)
@@ -198,8 +198,7 @@ class CacheWatch:
                 self._trial, self._tried = _Trial(*running, before, planner.memory_limit, steps), self._tried + steps
                 return plan
             limit = planner.memory_limit
-        if before is not None and steps:  # the same plan under every lower limit, or none fits
-            planner.plan_for_memory(self.store, before)
+        restore()  # the same plan under every lower limit, or none fits: as it runs (choosing again is no restore)
         self.stopped = True
         if self._tried == 0:
             warnings.warn(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from lightning_roundpipe.engine.drift import DriftChecks
@@ -343,10 +343,20 @@ def unchanged(planner: AutoPlanner) -> Iterator[None]:
     """Plans tried inside (:meth:`AutoPlanner.plan_for_memory`) leave ``planner`` as it was: its plan and count, their
     simulated periods and costs, and its memory limit. Choosing again under the old limit is no restore: the shapes
     and transfer rates it chooses from move with every batch."""
-    names = ("plan", "microbatches_per_round", "candidate_periods", "memory_limit", "layer_costs")
-    saved = {name: getattr(planner, name) for name in (*names, "planned_elements", "memory_elements")}
+    restore = snapshot(planner)
     try:
         yield
     finally:
+        restore()
+
+
+def snapshot(planner: AutoPlanner) -> Callable[[], None]:
+    """What :func:`unchanged` restores, as a call: for a caller that keeps some of the plans it tries."""
+    names = ("plan", "microbatches_per_round", "candidate_periods", "memory_limit", "layer_costs")
+    saved = {name: getattr(planner, name) for name in (*names, "planned_elements", "memory_elements")}
+
+    def restore() -> None:
         for name, value in saved.items():
             setattr(planner, name, value)
+
+    return restore
