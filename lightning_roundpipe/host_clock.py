@@ -207,17 +207,24 @@ class ShareSwitch:
         self.weighed = weighed
 
     waited = 0.15
-    """The workers' waits for the host's updates, of the devices' compute per batch, that say the host bounds."""
+    """The workers' waits for the host's updates, of the devices' compute per batch (for the whole move, of a
+    batch's wall time less those waits), that say the host bounds."""
+    stretch_most = 3.0
+    """The most a batch's wall time is taken to exceed what it would take without the host's waits: the waits are
+    summed over a batch's stages, and batches in flight overlap, so they can pass the wall time without the host
+    taking all of it; a plan beside every state simulated more than this times the running one's is never moved to
+    on the waits."""
 
     whole = True
     """Whether ``"auto"`` moves every state to the GPU where a plan fits beside them that is about as fast at the first
-    plan (:meth:`_fits_whole`), or faster than the host's as it runs once that plan settled (:meth:`_fits_waited`),
+    plan (:meth:`_fits_whole`), or than the host's plan as it runs once that plan settled (:meth:`_fits_waited`),
     not only where they take at most half of ``gpu_memory``. On one H100 80GB (8 sequences of 256-4096 tokens a
     step, 2026-12-07) the 32 GiB of states were just over half of its 63.3 GiB and the host bounded the step: 22,203
     real tokens/s, every state on the GPU by hand 33,349. The plan beside them simulated 1.2x the running one's
     seconds, so the first weighing declined; the workers waited 0.45 s a batch for the host, so the second moved
-    them at step 12, in an 11 s step, and steps 17-24 ran 33,477 against 20,827 with the switch off, in one call.
-    Fixed 32 x 2048 on the same card: no waits, nothing moved (48,113 and 47,913)."""
+    them at step 12, in an 11 s step, and steps 17-24 ran 33,477 against 20,827 with the switch off, in one call
+    (that run's second weighing stretched the devices' busy seconds, since a batch's wall time: not yet measured on
+    a GPU). Fixed 32 x 2048 on the same card: no waits, nothing moved (48,113 and 47,913)."""
     as_fast = 1.05
     """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
 
@@ -252,20 +259,22 @@ class ShareSwitch:
         return same or fast
 
     def _fits_waited(self, engine: PipelineEngine) -> bool:
-        """Once the first plan settled with every state on the host: whether the plan beside them is faster than
-        the running one as it runs, its batches stretched by the workers' waits for the host's updates (their reads
-        and casts): a batch's wall time (:meth:`CacheWatch.interval`) against that time less those waits, where they
-        are over :attr:`waited` of the rest. On one H100 80GB (8 sequences of 256-4096 tokens a step, 2026-12-07) the
-        plan beside every state simulated 1.2x the running one's seconds, the workers waited about 0.45 s of 0.8 s a
-        batch for the host, and every state on the GPU ran 33,477 real tokens/s against the host's 20,827. (Those
-        runs stretched the devices' busy seconds by the waits instead: 2.5 s a batch, the kernels' events spanning
-        the weights' uploads; the move then passed by 1.18 against 1.20 / 1.05.)"""
+        """Once the first plan settled with every state on the host: whether the plan beside them is about as fast
+        (within :attr:`as_fast`) as the running one as it runs, its batches stretched by the workers' waits for the
+        host's updates (their reads and casts): a batch's wall time (:meth:`CacheWatch.interval`) against that time
+        less those waits (at most :attr:`stretch_most`), where they are over :attr:`waited` of the rest. On one H100
+        80GB (8 sequences of 256-4096 tokens a step, 2026-12-07) the plan beside every state simulated 1.2x the
+        running one's seconds, the workers waited about 0.45 s of 0.8 s a batch for the host, and every state on the
+        GPU ran 33,477 real tokens/s against the host's 20,827. Those runs stretched the devices' busy seconds by the
+        waits instead (2.5 s a batch, the kernels' events spanning the weights' uploads; the move passed by 1.18
+        against 1.20 / 1.05); this stretch (about 2.3 there) is not yet measured on a GPU. With gradient accumulation
+        the median batch does not wait for the host (only a step's first does): it errs toward the host."""
         waited = sum(engine.worker_waits.get(reason, 0.0) for reason in ("update reads", "casts"))
         period = engine.caches.interval()
         self.weighed = {**(self.weighed or {}), "waited_s": waited, "period_s": period, "as_fast": False}
         if not period or waited <= self.waited * max(0.0, period - waited):
             return False
-        stretch = period / (period - waited) if waited < period else float("inf")
+        stretch = self.stretch_most if waited >= period else min(self.stretch_most, period / (period - waited))
         weighed = self.weighed
         fits = self._fits_whole(engine, stretch=stretch)
         self.weighed = {**weighed, **self.weighed, "stretch": stretch}
@@ -281,8 +290,9 @@ class ShareSwitch:
         if not engine.steps.between_steps():
             return False
         if self._whole == "first" and engine.planner.fitted is not None and engine.planner.profile is None:
-            fits = self._fits_whole(engine)  # before the first step after the first plan: about as fast unwaited
-            self._whole = "waits" if not fits and self.weighed and self.weighed["beside"] is not None else None
+            fits, self._engine = self._fits_whole(engine), engine  # before the first step on the first plan
+            beside = self.weighed is not None and self.weighed["beside"] is not None  # (then periods compared)
+            self._whole = "waits" if not fits and beside and engine.planner.chooses_microbatches else None
         elif self._whole == "waits" and engine.caches.pace() is not None:
             self._whole, fits = None, self._fits_waited(engine)  # settled on its plan: the host's waits measured
         else:

@@ -86,16 +86,24 @@ def test_a_faster_smaller_plan_is_kept_after_both_are_timed():
 
 def test_a_settled_plan_gives_its_wall_seconds_a_batch_and_none_on_trial():
     """What ShareSwitch stretches by the host's waits: the mean interval between dispatches over the pace's window,
-    only where the pace is given (settled, not on trial)."""
-    watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.25, "B": 0.8})
+    only where the pace is given: settled, not on trial, and not from a dispatch that switched plans (its window
+    still holds the old plan's batches)."""
+    watch, planner, device = watch_for({8.0: "A"}, {"A": 1.25})
     device.freeing = False
-    drive(watch, planner, range(5))
+    drive(watch, planner, range(6))
     assert watch.interval() is None and watch.pace() is None  # calls 0-1 settle; four intervals from call 6
-    drive(watch, planner, range(5, 7))
+    drive(watch, planner, range(6, 7))
     assert watch.interval() == pytest.approx(1.25) and watch.pace() == pytest.approx(1.25 / 8)
-    device.freeing = True
-    drive(watch, planner, range(7, 13))  # B on trial
-    assert watch.interval() is None
+
+    watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.8})
+    assert drive(watch, planner, range(6)) == [] and watch.interval() is None
+    assert drive(watch, planner, range(6, 7)) == [(6, "B")] and watch.interval() is None  # A's window, B on trial
+    with pytest.warns(UserWarning, match="kept"):
+        assert drive(watch, planner, range(7, 19)) == [(12, "A"), (18, "B")]
+    assert watch.interval() is None  # kept at call 18's dispatch: the window holds A's batches
+    device.freeing = False
+    drive(watch, planner, range(19, 25))
+    assert watch.interval() == pytest.approx(0.8)
 
 
 def test_a_smaller_plan_that_is_not_faster_is_left_and_the_watch_stops():

@@ -268,7 +268,7 @@ def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_hos
     cases = [  # a batch every 0.8 s
         ({"update reads": 0.25, "casts": 0.2, "launch": 0.5}, 0.8 / 0.35, True),  # 1.5 x 1.05 <= 2.29
         ({"update reads": 0.1, "casts": 0.1}, 0.8 / 0.6, False),  # 1.33: slower than the host as it runs
-        ({"casts": 0.9}, float("inf"), True),  # (waits summed over a batch's stages, past its wall time)
+        ({"casts": 0.9}, ShareSwitch.stretch_most, True),  # (summed over a batch's stages, past its wall time)
         ({"casts": 0.05, "launch": 5.0}, None, False),  # under `waited` of the rest (launch: not the host's)
     ]
     for waits, stretch, moves in cases:
@@ -284,6 +284,37 @@ def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_hos
         assert switch.weighed["simulated"] == 1.5 if stretch else "stretch" not in switch.weighed
     unsettled = SimpleNamespace(worker_waits={"casts": 1.0}, caches=SimpleNamespace(interval=lambda: None))
     assert ShareSwitch()._fits_waited(unsettled) is False
+    slow = _Planner({limit: ("|4", 1, 1.0), limit - resident_bytes(store): ("2|1,1", 2, 3.5)}, limit)
+    waiting = SimpleNamespace(planner=slow, store=store, worker_waits={"casts": 5.0}, caches=caches)
+    assert ShareSwitch()._fits_waited(waiting) is False  # 3.5 > 1.05 x stretch_most: however long the waits
+
+
+def _between(planner) -> SimpleNamespace:
+    """An engine between steps on its first plan (what `_move_whole` reads), with ``planner``."""
+    planner.fitted, planner.profile = object(), None
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    steps = SimpleNamespace(between_steps=lambda: True)
+    return SimpleNamespace(planner=planner, store=store, steps=steps, caches=SimpleNamespace(pace=lambda: None))
+
+
+def test_the_waits_are_weighed_only_where_periods_compare_and_afresh_on_an_engine_built_elsewhere(monkeypatch):
+    store_bytes = resident_bytes(_between(_Planner({1.0: ("|4", 1, 1.0)}, 1.0)).store)
+    limit = 3.0 * store_bytes
+    plans = {limit: ("|4", 1, 1.0), limit - store_bytes: ("2|1,1", 2, 1.5)}
+    for chooses, armed in ((True, "waits"), (False, None)):  # a count given: no periods, nothing to weigh later
+        engine, switch = _between(_Planner(plans, limit, chooses)), ShareSwitch()
+        switch.watch(True)
+        assert switch._move_whole(None, engine, lambda: None) is False and switch._whole == armed
+    eligible = []
+    monkeypatch.setattr(host_clock, "could_share", lambda engine, arguments: eligible.append(engine) or True)
+    engine, switch = _between(_Planner(plans, limit)), ShareSwitch()
+    switch.watch(True)
+    strategy = SimpleNamespace(engine=engine)
+    switch.apply(strategy, lambda: None)  # (the first weighing: declined)
+    assert switch._whole == "waits" and not eligible
+    strategy.engine = again = _between(_Planner(plans, limit))  # built again elsewhere (BackboneFinetuning...)
+    switch.apply(strategy, lambda: None)
+    assert eligible == [again] and switch._whole == "waits"  # armed afresh, and weighed first on the new engine
 
 
 @pytest.mark.timeout(180)
@@ -296,22 +327,24 @@ def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_w
         return weighs(switch, engine, stretch) and stretch > 1.0
 
     monkeypatch.setattr(ShareSwitch, "_fits_whole", declined_first)
-    monkeypatch.setattr(PipelineEngine, "worker_waits", property(lambda engine: {"casts": 1.0}))
+    halves = property(lambda engine: {"casts": 0.5 * (engine.caches.interval() or 0.0)})  # a batch's time doubled
+    monkeypatch.setattr(PipelineEngine, "worker_waits", halves)
 
     def run(callback: _Whole) -> tuple[L.LightningModule, RoundPipeStrategy]:
-        strategy = RoundPipeStrategy(num_microbatches=2)
+        strategy = RoundPipeStrategy()  # (the count chosen: periods simulated to compare)
         kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 3, "callbacks": [callback], "strategy": strategy}
         return fit(lambda: BoringPipeline(depth=4), kwargs, boring_data(samples=192)), strategy
 
-    released = []
-    monkeypatch.setattr(WorkerDevice, "release_cached", lambda device: released.append(device))
+    events, builds = [], build.build_engine
+    monkeypatch.setattr(WorkerDevice, "release_cached", lambda device: events.append("released"))
+    monkeypatch.setattr(build, "build_engine", lambda *args: events.append("built") or builds(*args))
     moved = _Whole(1e6)
     module, strategy = run(moved)
-    assert len(released) == 1  # the old engine's cached blocks given back before the new one allocates
+    assert events == ["released", "built"]  # the old engine's cached blocks given back before the new one
     steps = [e[0] for e in moved.engines]
     assert len(steps) == 2 and steps[1] > 3 and moved.engines[1][2].whole  # not at the first plan (step 3)
     assert strategy._share.outcome == {"share": 1.0, "kept": True, "judged": False}
-    assert strategy._share.weighed["stretch"] > 1 and strategy._share._whole is None
+    assert strategy._share.weighed["stretch"] == pytest.approx(2.0) and strategy._share._whole is None
     monkeypatch.setattr(host_clock, "build_placed", _rebuilt_on_the_host)
     host = _Whole(1e6)
     reference, _ = run(host)

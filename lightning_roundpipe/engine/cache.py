@@ -166,8 +166,10 @@ class CacheWatch:
 
     def pace(self) -> float | None:
         """Seconds per input element over the last :attr:`window` settled intervals of the running plan, not on
-        trial; ``None`` until there are that many."""
-        return self._pace() if self._trial is None and len(self._times) > self.window else None
+        trial; ``None`` until there are that many (and from a dispatch that switched plans until the next, which
+        clears the old plan's window)."""
+        running = self._trial is None and len(self._times) > self.window
+        return self._pace() if running and self._times[0][2] >= self.planner.plan_since else None
 
     def interval(self) -> float | None:
         """Seconds per batch between dispatches over the same window as :meth:`pace` (``None`` where it is): a
