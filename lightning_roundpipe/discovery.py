@@ -182,8 +182,9 @@ def discover(module: nn.Module, options: RoundPipeOptions) -> Pipelined:
 
 def _own_checkpointing_off(model: nn.Module) -> list[nn.Module]:
     """The model's own gradient checkpointing (``gradient_checkpointing_enable()``) turned off while roundpipe trains
-    it: each stage is recomputed by roundpipe already, and a layer's own recompute would run after its weights left
-    the worker (a failure on a meta tensor). Returns the modules to turn it on again."""
+    it: each stage is recomputed by roundpipe already, so the layers' own recompute would be a third forward (it
+    runs, on the stage's weights, where a layer checkpoints itself otherwise). Returns the modules to turn it on
+    again."""
     modules = [m for m in model.modules() if m.__dict__.get("gradient_checkpointing") is True]
     for m in modules:
         m.gradient_checkpointing = False

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_roundpipe.runtime.device import layer_seed
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import Parcel
 from lightning_roundpipe.runtime.replicas import Replicas
@@ -165,12 +166,11 @@ class StageCompute:
                 roots, root_grads = roots_of(x)
             mid = dev.timer(dev.compute) if flight.record else None
             if roots:
-                try:
+                # A layer that checkpoints itself runs its forward again in here: on its weights, and holding the
+                # device's generator (it restores the forward's state into it; CPU workers share one).
+                seed = layer_seed(self.replicas.base_seed, flight.call, m, stage.start)
+                with self.replicas.bound({i: weights[i] for i in stage.layers}), dev.seeded(seed):
                     torch.autograd.backward(roots, root_grads)
-                except RuntimeError as error:
-                    if "device meta" in str(error):  # a layer's own recompute, after its weights left the worker
-                        error.add_note(_OWN_RECOMPUTE)
-                    raise
                 self.slots.loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)
             if mark is not None:
@@ -254,13 +254,6 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             return t
 
         super().__init__(pack, lambda t: t)
-
-
-_OWN_RECOMPUTE = (
-    "roundpipe: a layer recomputed its forward in the backward (torch.utils.checkpoint inside the layer) after the"
-    " worker had taken its weights back. roundpipe recomputes each stage itself already: take the checkpointing out"
-    " of the layer (a Hugging Face model's own, gradient_checkpointing_enable(), is turned off for you)."
-)
 
 
 def _differentiable(t: Any) -> bool:

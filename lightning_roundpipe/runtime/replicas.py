@@ -7,9 +7,10 @@ master tensors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -76,17 +77,14 @@ class Replicas:
         The tensors are put into the replica's parameter and buffer slots for the call and the meta
         placeholders put back after (what ``functional_call`` does, without its per-call overhead).
         """
-        seed = layer_seed(self.base_seed, call, microbatch, index)
-        slots, buffers = self._slots_of[index], self._buffers_of[index]
-        for name, table, attr, _ in slots:
-            table[attr] = named[name]
+        seed, buffers = layer_seed(self.base_seed, call, microbatch, index), self._buffers_of[index]
+        self._put(index, named)  # (not `bound`: a generator's cost, per layer and micro-batch)
         versions = [named[name]._version for name in buffers]
         try:
             with self.device.seeded(seed), self.device.autocast(self.autocast_dtype):
                 out = self.modules[index](x)
         finally:
-            for _, table, attr, placeholder in slots:
-                table[attr] = placeholder
+            self._take_back(index)
         if not buffers or index in self._warned:
             return out
         changed = [name for name, v in zip(buffers, versions) if named[name]._version != v]
@@ -99,6 +97,27 @@ class Replicas:
                 stacklevel=2,
             )
         return out
+
+    @contextlib.contextmanager
+    def bound(self, weights: dict[int, dict[str, Tensor]]) -> Iterator[None]:
+        """Layers' replicas hold the slot's device tensors (``weights``: per layer index, by name) inside, the
+        meta placeholders after. Around a stage's backward too: a layer that checkpoints itself
+        (``torch.utils.checkpoint`` inside it) runs its forward again there, on its module's tensors."""
+        for index, named in weights.items():
+            self._put(index, named)
+        try:
+            yield
+        finally:
+            for index in weights:
+                self._take_back(index)
+
+    def _put(self, index: int, named: dict[str, Tensor]) -> None:
+        for name, table, attr, _ in self._slots_of[index]:
+            table[attr] = named[name]
+
+    def _take_back(self, index: int) -> None:
+        for _, table, attr, placeholder in self._slots_of[index]:
+            table[attr] = placeholder
 
 
 def _owner(replica: nn.Module, name: str) -> nn.Module:
