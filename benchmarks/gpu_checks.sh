@@ -47,6 +47,7 @@
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
+#        reserve-24gib (issue 39: the allocator's reserve at 24 GiB by the stream that holds it)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -350,6 +351,13 @@ for step in "${steps[@]}"; do
       run varlen-8-24gib-memory 460 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-release,newcomer-capped --warmup 26 --steps 8 --config-timeout 210 \
         --out "$OUT/varlen-8-24gib-memory.json" ;;
+    reserve-24gib)  # issue 39: NVML 21.8-23.9 GiB at 24 GiB and 8 a step against the 20.6 allowed; the allocator's
+      # reserve reached 20.8 GiB against torch's peak of 15.0 (2026-12-07). A freed block serves only the stream it was
+      # allocated on: step_log's by_stream (each stream's segments, reserved and in use, at each new high of the
+      # reserve) says which pools hold the rest. Expected: compute's and param_up's reserves each well above their
+      # in-use bytes at the high, summing to the 5 GiB. About 200 s
+      run reserve-24gib 260 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer --warmup 20 --steps 6 --config-timeout 220 --out "$OUT/reserve-24gib.json" ;;
     memory-24gib-fixed)  # the same two on fixed 32 x 2048 at 24 GiB (39-40k once settled, NVML 25.1-25.4 GiB during
       # CacheWatch's trial in earlier sessions): not slower is the ask. About 300-420 s
       run fixed-32-24gib-memory 460 python benchmarks/lightning_user.py --gpu-gib 24 \

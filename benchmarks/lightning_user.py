@@ -248,6 +248,25 @@ def flatten(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return collate([{k: v.tolist() for k, v in item.items()} for item in items])
 
 
+def allocator_by_stream(engine: Any) -> dict[str, list[float]]:
+    """The caching allocator's segments on device 0, by the stream they were allocated on: [reserved, in use] GiB.
+    A block freed on one stream is not reused by an allocation on another, so each stream keeps a reserve of its
+    own: the engine's streams named (``param_up``, ``compute``...), others by number."""
+    names: dict[int, str] = {0: "default"}
+    for owner, prefix in ((engine and engine.devices[0], ""), (engine and engine.resident, "resident.")):
+        for name, value in vars(owner).items() if owner is not None else ():
+            if isinstance(getattr(value, "cuda_stream", None), int):  # (a torch.cuda.Stream)
+                names.setdefault(value.cuda_stream, prefix + name)
+    totals: dict[str, list[float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", 0) != 0:
+            continue
+        entry = totals.setdefault(names.get(segment["stream"], str(segment["stream"])), [0.0, 0.0])
+        entry[0] += segment["total_size"] / GiB
+        entry[1] += segment["allocated_size"] / GiB
+    return {name: [round(r, 2), round(a, 2)] for name, (r, a) in sorted(totals.items(), key=lambda kv: -kv[1][0])}
+
+
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The tokens of a batch that are not padding."""
     mask = batch.get("attention_mask")
@@ -340,6 +359,7 @@ class Clock(L.Callback):
         self._last = time.perf_counter()
         self.step_log: list[dict[str, Any]] = []
         """Each optimizer step's seconds and the plan it ended on: when the plan stopped changing."""
+        self._most_reserved = 0.0
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last = time.perf_counter()
@@ -394,7 +414,11 @@ class Clock(L.Callback):
                 self.nvml_gib.append(used)
             # when the card's memory grows: NVML and the caching allocator's reserve at each step's end
             self.step_log[-1]["nvml_gib"] = None if used is None else round(used, 2)
-            self.step_log[-1]["reserved_gib"] = round(torch.cuda.memory_reserved(0) / GiB, 2)
+            reserved = torch.cuda.memory_reserved(0) / GiB
+            self.step_log[-1]["reserved_gib"] = round(reserved, 2)
+            if reserved > self._most_reserved:  # at each new high: which streams' pools hold it (issue 39)
+                self._most_reserved = reserved
+                self.step_log[-1]["by_stream"] = allocator_by_stream(getattr(trainer.strategy, "engine", None))
         if outputs is not None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning's is divided by it
@@ -592,7 +616,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "host_bytes_per_parameter": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / parameters,
         "losses": clock.losses,
-        "step_log": clock.step_log,  # seconds and plan of every step
+        "step_log": clock.step_log,  # seconds and plan of every step (on a GPU: NVML, the reserve, its streams)
         "steady_plan": clock.steady(),  # time to steady state: the step the last plan began, training seconds before it
         "host_gib_model_built": {"rss": round(built_gib[0], 2), "peak": round(built_gib[1], 2)},
         "host_gib_by_step": clock.host_gib,

@@ -12,6 +12,7 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -176,6 +177,32 @@ def test_the_recorded_command_carries_the_allocator_setting_it_ran_under(tmp_pat
     command = json.loads((tmp_path / "r.json").read_text())["meta"]["command"]
     setting = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     assert command == f"{setting} python benchmarks/lightning_user.py --configs newcomer"
+
+
+def test_the_allocator_reserve_is_told_by_the_stream_it_was_allocated_on(monkeypatch):
+    """Where the 24 GiB card's reserve sits above the plan's limit (issue 39): a freed block serves only its own
+    stream, so lightning_user records each stream's segments at every new high of the reserve."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from lightning_user import allocator_by_stream
+
+    device = SimpleNamespace(compute=SimpleNamespace(cuda_stream=11), param_up=SimpleNamespace(cuda_stream=12), index=0)
+    engine = SimpleNamespace(devices=[device], resident=SimpleNamespace(stream=SimpleNamespace(cuda_stream=13)))
+    gib = 2**30
+    segments = [
+        {"device": 0, "stream": 11, "total_size": 4 * gib, "allocated_size": 1 * gib},
+        {"device": 0, "stream": 11, "total_size": 2 * gib, "allocated_size": 2 * gib},
+        {"device": 0, "stream": 12, "total_size": 8 * gib, "allocated_size": 7 * gib},
+        {"device": 0, "stream": 13, "total_size": 1 * gib, "allocated_size": 1 * gib},
+        {"device": 0, "stream": 0, "total_size": gib // 2, "allocated_size": 0},
+        {"device": 0, "stream": 99, "total_size": gib, "allocated_size": 0},
+        {"device": 1, "stream": 11, "total_size": 64 * gib, "allocated_size": 0},  # another card: not counted
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert allocator_by_stream(engine) == {
+        "param_up": [8.0, 7.0], "compute": [6.0, 3.0], "resident.stream": [1.0, 1.0], "99": [1.0, 0.0],
+        "default": [0.5, 0.0],
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(60)
