@@ -215,6 +215,40 @@ def test_every_state_goes_back_to_the_host_once_a_batch_ran_out_of_memory_beside
     assert relative_error(flat_weights(module), flat_weights(reference)) <= 1e-6
 
 
+@pytest.mark.timeout(240)
+def test_a_run_resumed_after_every_state_moved_moves_again_and_equals_the_uninterrupted_one(tmp_path):
+    """The checkpoint saved with every state on the GPU resumes on the host (the default's placement) with the plan
+    made beside them, which the first weighing then finds the same: every state moves again before the resumed run's
+    first step. A move lands the pending update first (that batch computes on the latest weights, as at any engine
+    built again), so the weights equal the uninterrupted run's with its engine built again at the same batch."""
+
+    class _Rebuilt(_Whole):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 8 and self.engines[-1][2] is not None:
+                strategy = trainer.strategy
+                host_clock._install(
+                    strategy, build.build_placed(strategy.engine, _engine_arguments(strategy), "device")
+                )
+
+    def run(epochs: int, where: str, ckpt: str | None = None, callback: _Whole | None = None):
+        callback = callback or _Whole(1e6)
+        keep = L.pytorch.callbacks.ModelCheckpoint(tmp_path / where, filename="{epoch}", save_top_k=-1)
+        kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": epochs, "callbacks": [callback, keep]}
+        kwargs |= {"strategy": RoundPipeStrategy(), "enable_checkpointing": True}
+        L.seed_everything(1, verbose=False)
+        module = BoringPipeline(depth=4)
+        trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+        trainer.fit(module, boring_data(samples=96), ckpt_path=ckpt)
+        return flat_weights(module), callback
+
+    straight, moved = run(2, "straight", callback=_Rebuilt(1e6))
+    assert [(e[0], e[2] is not None) for e in moved.engines] == [(1, False), (3, True), (9, True)]
+    run(1, "first")
+    resumed, again = run(2, "resumed", str(tmp_path / "first" / "epoch=0.ckpt"))
+    assert [(e[0], e[2] is not None) for e in again.engines] == [(9, True)]  # moved before its first step
+    assert relative_error(resumed, straight) <= 1e-6
+
+
 class _Planner:
     """A planner whose plan under a limit is ``plans[limit]``: (plan, micro-batches, simulated seconds a batch)."""
 
