@@ -360,6 +360,7 @@ class Clock(L.Callback):
         self.step_log: list[dict[str, Any]] = []
         """Each optimizer step's seconds and the plan it ended on: when the plan stopped changing."""
         self._most_reserved = 0.0
+        self._excluded = 0.0  # seconds spent reading the allocator's segments: out of the timed steps
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._last = time.perf_counter()
@@ -417,8 +418,10 @@ class Clock(L.Callback):
             reserved = torch.cuda.memory_reserved(0) / GiB
             self.step_log[-1]["reserved_gib"] = round(reserved, 2)
             if reserved > self._most_reserved:  # at each new high: which streams' pools hold it (issue 39)
-                self._most_reserved = reserved
+                self._most_reserved, start = reserved, time.perf_counter()
                 self.step_log[-1]["by_stream"] = allocator_by_stream(getattr(trainer.strategy, "engine", None))
+                self._excluded += time.perf_counter() - start
+                self._last += time.perf_counter() - start  # (not the next step's seconds, nor the timed ones)
         if outputs is not None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning's is divided by it
@@ -428,7 +431,7 @@ class Clock(L.Callback):
             engine = getattr(trainer.strategy, "engine", None)
             if engine is None and torch.cuda.is_available():
                 torch.cuda.synchronize()  # plain: the step's queued GPU work belongs to it
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(time.perf_counter() - self._excluded)
             if torch.cuda.is_available() and trainer.global_step in (self.warmup, self.last):
                 stats = torch.cuda.memory_stats(0)  # cudaMalloc/cudaFree calls: each free syncs the device
                 self.allocator_calls.append((stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)))

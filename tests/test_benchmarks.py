@@ -199,7 +199,9 @@ def test_the_allocator_reserve_is_told_by_the_stream_it_was_allocated_on(monkeyp
         {"device": 1, "stream": 11, "total_size": 64 * gib, "allocated_size": 0},  # another card: not counted
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert allocator_by_stream(engine) == {
+    found = allocator_by_stream(engine)
+    assert list(found) == ["param_up", "compute", "resident.stream", "99", "default"]  # the largest reserve first
+    assert found == {
         "param_up": [8.0, 7.0], "compute": [6.0, 3.0], "resident.stream": [1.0, 1.0], "99": [1.0, 0.0],
         "default": [0.5, 0.0],
     }  # fmt: skip

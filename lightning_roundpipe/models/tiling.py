@@ -8,12 +8,11 @@ at once, so a tile's intermediates are all that is ever alive. That costs one mo
 function in backward (as activation checkpointing does). Under ``no_grad`` (forward stages,
 evaluation) the tiles bound the transient memory the same way.
 
-Not :func:`torch.utils.checkpoint`: roundpipe binds a stage's device weights into weight-less module
-replicas only for the duration of the layer call, so a recompute that reads the module's attributes
-later would find meta tensors. :func:`tiled` captures the tensors the module holds at the call and
-binds them again for the recompute, under the autocast state of the call. It draws no random
-numbers again: modules that would (dropout in training mode) are refused, since replaying a shared
-generator from the autograd thread would race the workers that seed it for their own layers.
+Not :func:`torch.utils.checkpoint`: :func:`tiled` captures the tensors the module holds at the call and
+binds them again for the recompute, under the autocast state of the call, so it does not depend on the
+worker keeping the stage's weights bound into the weight-less replicas through the backward (which the
+workers do since a layer's own checkpoint needed it, holding the device's generator there too). It draws
+no random numbers again: modules that would (dropout in training mode) are refused.
 """
 
 from __future__ import annotations

@@ -167,7 +167,9 @@ class StageCompute:
             mid = dev.timer(dev.compute) if flight.record else None
             if roots:
                 # A layer that checkpoints itself runs its forward again in here: on its weights, and holding the
-                # device's generator (it restores the forward's state into it; CPU workers share one).
+                # device's generator (it restores the forward's state into it; CPU workers share one). Nothing in
+                # a backward may call Replicas.run: its lock is held here. On a GPU the recompute also puts back
+                # torch's CPU generator, which nothing here holds: CPU draws elsewhere meanwhile may repeat.
                 seed = layer_seed(self.replicas.base_seed, flight.call, m, stage.start)
                 with self.replicas.bound({i: weights[i] for i in stage.layers}), dev.seeded(seed):
                     torch.autograd.backward(roots, root_grads)
