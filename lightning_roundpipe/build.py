@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -130,11 +132,14 @@ def build_again(engine: PipelineEngine, arguments: EngineArguments) -> PipelineE
     return again
 
 
-def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str | float) -> PipelineEngine | None:
+def build_placed(
+    engine: PipelineEngine, arguments: EngineArguments, place: str | float, seconds: dict[str, float] | None = None
+) -> PipelineEngine | None:
     """Between optimizer steps, the engine built again with its optimizer's states where ``place`` says (a share
     of them on the GPU, or the host): the pending update lands first, the counters, plan and measured layer costs
     carry over (nothing is measured again), and the plan is chosen again for what the states leave of the device.
-    ``None`` (the engine as it was) where no batch may come between, or no plan fits beside those states."""
+    ``None`` (the engine as it was) where no batch may come between, or no plan fits beside those states.
+    ``seconds``: filled with what each part took (every state moved on an H100 80GB took an 11 s step)."""
     planner, store = engine.planner, engine.store
     if not engine.steps.between_steps():
         return None
@@ -145,14 +150,39 @@ def build_placed(engine: PipelineEngine, arguments: EngineArguments, place: str 
         with unchanged(planner):  # (the running plan's costs: what the state saves)
             if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
                 return None  # (past STATES_MOST the engine built with them would refuse them)
-    engine.flush()
-    state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
-    again = _rebuilt(engine, replace(arguments, options=replace(arguments.options, optimizer_on=place)))
-    again.load_state_dict(state)
+    timed = _Parts(seconds)
+    with timed("flush"):
+        engine.flush()
+    with timed("state"):
+        state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
+    with timed("build"):
+        again = _rebuilt(engine, replace(arguments, options=replace(arguments.options, optimizer_on=place)))
+    with timed("load"):
+        again.load_state_dict(state)
     planner = again.planner
-    if planner.profile is None and (plan := planner.plan_for_memory(again.store, planner.memory_limit)) is not None:
-        again.set_plan(plan)  # (measuring: it plans under the new limit after)
+    with timed("plan"):
+        if planner.profile is None and (plan := planner.plan_for_memory(again.store, planner.memory_limit)) is not None:
+            again.set_plan(plan)  # (measuring: it plans under the new limit after)
     return again
+
+
+class _Parts:
+    """``with parts("name"):`` adds the block's wall seconds to ``seconds["name"]`` (nothing where it is ``None``),
+    the GPU's queued work included."""
+
+    def __init__(self, seconds: dict[str, float] | None) -> None:
+        self.seconds = seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.seconds is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def could_share(engine: PipelineEngine, arguments: EngineArguments) -> bool:

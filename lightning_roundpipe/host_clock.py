@@ -297,9 +297,10 @@ class ShareSwitch:
             self._whole, fits = None, self._fits_waited(engine)  # settled on its plan: the host's waits measured
         else:
             fits = False
-        if fits and (again := build_placed(engine, engine_arguments(), "device")) is not None:
+        seconds: dict[str, float] = {}
+        if fits and (again := build_placed(engine, engine_arguments(), "device", seconds)) is not None:
             self._done, self._engine = True, _install(strategy, again)
-            self._moved, self.outcome = again, {"share": 1.0, "kept": True, "judged": False}
+            self._moved, self.outcome = again, {"share": 1.0, "kept": True, "judged": False, "seconds": seconds}
             if self._clock is not None:
                 self._clock.restart()  # (its window held the host's steps)
             rank_zero_info(
