@@ -284,9 +284,9 @@ class ShareSwitch:
         self, strategy: Any, engine: PipelineEngine, engine_arguments: Callable[[], EngineArguments]
     ) -> bool:
         """Every state to the GPU before the first step on the first plan, where they fit beside a plan about as
-        fast, or else once that plan settled, where the plan beside them is about as fast as it runs with the host's waits
-        (:meth:`_fits_waited`); back to the host, once, where a batch then ran out of device memory beside them (the
-        plan was made for the lengths seen so far). Whether the engine was built again."""
+        fast, or else once that plan settled, where the plan beside them is about as fast as it runs with the host's
+        waits (:meth:`_fits_waited`); back to the host, once, where a batch then ran out of device memory beside them
+        (the plan was made for the lengths seen so far). Whether the engine was built again."""
         if not engine.steps.between_steps():
             return False
         if self._whole == "first" and engine.planner.fitted is not None and engine.planner.profile is None:
