@@ -244,10 +244,13 @@ def _too_big(engine: PipelineEngine, workers: list[WorkerDevice], memory_limit: 
         return "CPU workers"
     if len(workers) > 1:
         return f"{len(workers)} GPUs share the steps"
+    from lightning_roundpipe.host_clock import ShareSwitch  # (it builds engines: imported when asked)
+
     need = resident_bytes(engine.store)
+    later = ShareSwitch.whole and need < STATES_MOST * memory_limit
     return (
         f"their {need / 2**30:.1f} GiB are more than {AUTO_SHARE:.0%} of the {memory_limit / 2**30:.1f} GiB"
-        " gpu_memory allows"
+        " gpu_memory allows" + ("; all of them move there once a plan beside them is about as fast" if later else "")
     )
 
 

@@ -389,6 +389,16 @@ def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_w
     assert relative_error(flat_weights(module), flat_weights(reference)) <= 1e-6
 
 
+def test_the_log_line_says_every_state_may_move_later_where_they_would_fit(monkeypatch):
+    store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
+    engine, states = SimpleNamespace(store=store), resident_bytes(store)
+    said = build._too_big(engine, [object()], 1.5 * states)  # over half of the limit, under STATES_MOST
+    assert "are more than 50%" in said and "all of them move there once a plan beside them" in said
+    assert "move there" not in build._too_big(engine, [object()], 1.1 * states)  # past STATES_MOST of it
+    monkeypatch.setattr(ShareSwitch, "whole", False)
+    assert "move there" not in build._too_big(engine, [object()], 1.5 * states)
+
+
 def test_the_whole_move_is_armed_per_engine_only_where_switched_on(monkeypatch):
     switch = ShareSwitch()
     switch.watch(True)
