@@ -168,15 +168,16 @@ class CacheWatch:
         """Seconds per input element over the last :attr:`window` settled intervals of the running plan, not on
         trial; ``None`` until there are that many (and from a dispatch that switched plans until the next, which
         clears the old plan's window)."""
-        running = self._trial is None and len(self._times) > self.window
-        return self._pace() if running and self._times[0][2] >= self.planner.plan_since else None
+        return self._pace() if self._settled() else None
 
     def interval(self) -> float | None:
         """Seconds per batch between dispatches over the same window as :meth:`pace` (``None`` where it is): a
         batch's wall time on the running plan, waits included."""
-        if self.pace() is None:
-            return None
-        return (self._times[-1][0] - self._times[0][0]) / (len(self._times) - 1)
+        return (self._times[-1][0] - self._times[0][0]) / (len(self._times) - 1) if self._settled() else None
+
+    def _settled(self) -> bool:
+        running = self._trial is None and len(self._times) > self.window
+        return running and self._times[0][2] >= self.planner.plan_since
 
     def _pace(self) -> float:
         """Seconds per unit of work between the first and the last dispatch of the window: per input element

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_roundpipe.runtime.device import layer_seed
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import Parcel
 from lightning_roundpipe.runtime.replicas import Replicas
@@ -167,11 +166,11 @@ class StageCompute:
             mid = dev.timer(dev.compute) if flight.record else None
             if roots:
                 # A layer that checkpoints itself runs its forward again in here: on its weights, and holding the
-                # device's generator (it restores the forward's state into it; CPU workers share one). Nothing in
-                # a backward may call Replicas.run: its lock is held here. On a GPU the recompute also puts back
-                # torch's CPU generator, which nothing here holds: CPU draws elsewhere meanwhile may repeat.
-                seed = layer_seed(self.replicas.base_seed, flight.call, m, stage.start)
-                with self.replicas.bound({i: weights[i] for i in stage.layers}), dev.seeded(seed):
+                # device's generator where workers share it (CPU workers: the recompute restores the forward's
+                # state into it). Nothing in a backward may call Replicas.run: on CPU its lock is held here. On a
+                # GPU the recompute also puts back torch's CPU generator, which nothing holds: CPU draws elsewhere
+                # meanwhile may repeat.
+                with self.replicas.bound({i: weights[i] for i in stage.layers}), dev.generator_held():
                     torch.autograd.backward(roots, root_grads)
                 self.slots.loaded[(action.round, action.slot)].backward_ran = True
             done = dev.record(dev.compute)

@@ -192,13 +192,7 @@ class WorkerDevice:
     def seeded(self, seed: int) -> Iterator[None]:
         """Run code with this device's generator seeded to ``seed``, restoring its state afterwards, so
         that a layer draws the same random numbers in its forward and in its recompute."""
-        lock = _rng_lock(self.device)
-        if not lock.acquire(blocking=False):
-            waited = time.perf_counter()
-            lock.acquire()
-            self.waited += time.perf_counter() - waited
-        with contextlib.ExitStack() as stack:
-            stack.callback(lock.release)
+        with self._held():
             generator = self._generator()
             state = generator.get_state()
             generator.manual_seed(seed)
@@ -206,6 +200,23 @@ class WorkerDevice:
                 yield
             finally:
                 generator.set_state(state)
+
+    def generator_held(self) -> contextlib.AbstractContextManager[Any]:
+        """Code that puts a state of its own into this device's generator and back (a layer's own checkpoint,
+        recomputing in the backward) kept from the other workers that share it: CPU workers share torch's one."""
+        return self._held()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        lock = _rng_lock(self.device)
+        if not lock.acquire(blocking=False):
+            waited = time.perf_counter()
+            lock.acquire()
+            self.waited += time.perf_counter() - waited
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _generator(self) -> torch.Generator:
         return torch.default_generator
@@ -346,6 +357,9 @@ class CudaWorkerDevice(WorkerDevice):
 
     def _generator(self) -> torch.Generator:
         return torch.cuda.default_generators[self.device.index or 0]
+
+    def generator_held(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # (one worker to a GPU: its generator is its own)
 
 
 def layer_seed(base_seed: int, call: int, microbatch: int, layer: int) -> int:
