@@ -150,39 +150,30 @@ def build_placed(
         with unchanged(planner):  # (the running plan's costs: what the state saves)
             if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
                 return None  # (past STATES_MOST the engine built with them would refuse them)
-    timed = _Parts(seconds)
-    with timed("flush"):
+    with _timed(seconds, "flush"):
         engine.flush()
-    with timed("state"):
+    with _timed(seconds, "state"):
         state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
-    with timed("build"):
+    with _timed(seconds, "build"):
         again = _rebuilt(engine, replace(arguments, options=replace(arguments.options, optimizer_on=place)))
-    with timed("load"):
+    with _timed(seconds, "load"):
         again.load_state_dict(state)
     planner = again.planner
-    with timed("plan"):
+    with _timed(seconds, "plan"):
         if planner.profile is None and (plan := planner.plan_for_memory(again.store, planner.memory_limit)) is not None:
             again.set_plan(plan)  # (measuring: it plans under the new limit after)
     return again
 
 
-class _Parts:
-    """``with parts("name"):`` adds the block's wall seconds to ``seconds["name"]`` (nothing where it is ``None``),
-    the GPU's queued work included."""
-
-    def __init__(self, seconds: dict[str, float] | None) -> None:
-        self.seconds = seconds
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.seconds is not None:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float] | None, name: str) -> Iterator[None]:
+    """The block's wall seconds, the GPU's queued work included, into ``seconds[name]`` (nothing where ``None``)."""
+    start = time.perf_counter()
+    yield
+    if seconds is not None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds[name] = time.perf_counter() - start
 
 
 def could_share(engine: PipelineEngine, arguments: EngineArguments) -> bool:
