@@ -304,7 +304,8 @@ for step in "${steps[@]}"; do
       # there until ShareSwitch.whole (on since 2026-12-07), since their 32 GiB (20 bytes a parameter) are just over half
       # of gpu_memory (31.7 GiB); the host then bounds the step at 8 a step (22,203 real tokens/s; every state on the
       # GPU by hand, newcomer-devopt, 33,349). The whole switch moves them once the first plan settled (step 12, an 11 s
-      # step) where the workers wait for the host. Expected: newcomer 1.4x newcomer-nowhole or more over steps 17-24,
+      # step, over the pace's window; from 2026-12-07 over two intervals: expected two steps sooner) where the workers
+      # wait for the host. Expected: newcomer 1.4x newcomer-nowhole or more over steps 17-24,
       # NVML under 64 GiB (the old engine's cache given back first); share_switch's seconds say where the move's 11 s
       # go; fixed 32 x 2048: nothing moved, within 2% of newcomer-nowhole. About 480 s
       # On an H200 the card is capped at 80 GiB (--gpu-gib), which is what an H100 80GB gives the plan.

@@ -225,6 +225,11 @@ class ShareSwitch:
     them at step 12, in an 11 s step, and steps 17-24 ran 33,477 against 20,827 with the switch off, in one call
     (that run's second weighing stretched the devices' busy seconds, since a batch's wall time: not yet measured on
     a GPU). Fixed 32 x 2048 on the same card: no waits, nothing moved (48,113 and 47,913)."""
+    intervals = 2
+    """Intervals between dispatches on the settled first plan that the second weighing takes a batch's wall time
+    over: fewer than the pace's window (:attr:`CacheWatch.window`), so that the move comes two batches sooner (step
+    12 with the window on one H100 80GB, 2026-12-07); a stretch that passes the bar by far (about 2.3 expected
+    there, 1.15 needed) does not need a longer mean."""
     as_fast = 1.05
     """The simulated seconds per batch, of the running plan's, within which the plan beside every state is as fast."""
 
@@ -270,7 +275,7 @@ class ShareSwitch:
         against 1.20 / 1.05); this stretch (about 2.3 there) is not yet measured on a GPU. With gradient accumulation
         the median batch does not wait for the host (only a step's first does): it errs toward the host."""
         waited = sum(engine.worker_waits.get(reason, 0.0) for reason in ("update reads", "casts"))
-        period = engine.caches.interval()
+        period = engine.caches.interval(self.intervals)
         self.weighed = {**(self.weighed or {}), "waited_s": waited, "period_s": period, "as_fast": False}
         if not period or waited <= self.waited * max(0.0, period - waited):
             return False
@@ -293,7 +298,7 @@ class ShareSwitch:
             fits, self._engine = self._fits_whole(engine), engine  # before the first step on the first plan
             beside = self.weighed is not None and self.weighed["beside"] is not None  # (then periods compared)
             self._whole = "waits" if not fits and beside and engine.planner.chooses_microbatches else None
-        elif self._whole == "waits" and engine.caches.pace() is not None:
+        elif self._whole == "waits" and engine.caches.interval(self.intervals) is not None:
             self._whole, fits = None, self._fits_waited(engine)  # settled on its plan: the host's waits measured
         else:
             fits = False

@@ -310,7 +310,7 @@ def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_hos
     ]
     for waits, stretch, moves in cases:
         planner = _Planner({limit: ("|4", 1, 1.0), limit - resident_bytes(store): ("2|1,1", 2, 1.5)}, limit)
-        caches = SimpleNamespace(interval=lambda: 0.8)
+        caches = SimpleNamespace(interval=lambda intervals=None: 0.8)
         engine = SimpleNamespace(planner=planner, store=store, worker_waits=waits, caches=caches)
         switch = ShareSwitch()
         assert switch._fits_whole(engine) is False and switch.weighed["simulated"] == 1.5
@@ -319,7 +319,9 @@ def test_every_state_moves_once_settled_where_the_plan_beside_them_beats_the_hos
         assert switch.weighed["waited_s"] == pytest.approx(waited) and switch.weighed["period_s"] == 0.8
         assert switch.weighed.get("stretch") == pytest.approx(stretch)
         assert switch.weighed["simulated"] == 1.5 if stretch else "stretch" not in switch.weighed
-    unsettled = SimpleNamespace(worker_waits={"casts": 1.0}, caches=SimpleNamespace(interval=lambda: None))
+    unsettled = SimpleNamespace(
+        worker_waits={"casts": 1.0}, caches=SimpleNamespace(interval=lambda intervals=None: None)
+    )
     assert ShareSwitch()._fits_waited(unsettled) is False
     slow = _Planner({limit: ("|4", 1, 1.0), limit - resident_bytes(store): ("2|1,1", 2, 3.5)}, limit)
     waiting = SimpleNamespace(planner=slow, store=store, worker_waits={"casts": 5.0}, caches=caches)
@@ -331,7 +333,9 @@ def _between(planner) -> SimpleNamespace:
     planner.fitted, planner.profile = object(), None
     store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
     steps = SimpleNamespace(between_steps=lambda: True)
-    return SimpleNamespace(planner=planner, store=store, steps=steps, caches=SimpleNamespace(pace=lambda: None))
+    return SimpleNamespace(
+        planner=planner, store=store, steps=steps, caches=SimpleNamespace(interval=lambda intervals=None: None)
+    )
 
 
 def test_the_waits_are_weighed_only_where_periods_compare_and_afresh_on_an_engine_built_elsewhere(monkeypatch):
@@ -364,7 +368,7 @@ def test_every_state_moves_once_the_first_plan_settled_where_the_host_held_the_w
         return weighs(switch, engine, stretch) and stretch > 1.0
 
     monkeypatch.setattr(ShareSwitch, "_fits_whole", declined_first)
-    halves = property(lambda engine: {"casts": 0.5 * (engine.caches.interval() or 0.0)})  # a batch's time doubled
+    halves = property(lambda engine: {"casts": 0.5 * (engine.caches.interval(ShareSwitch.intervals) or 0.0)})  # doubled
     monkeypatch.setattr(PipelineEngine, "worker_waits", halves)
 
     def run(callback: _Whole) -> tuple[L.LightningModule, RoundPipeStrategy]:

@@ -170,14 +170,19 @@ class CacheWatch:
         clears the old plan's window)."""
         return self._pace() if self._settled() else None
 
-    def interval(self) -> float | None:
-        """Seconds per batch between dispatches over the same window as :meth:`pace` (``None`` where it is): a
-        batch's wall time on the running plan, waits included."""
-        return (self._times[-1][0] - self._times[0][0]) / (len(self._times) - 1) if self._settled() else None
+    def interval(self, intervals: int | None = None) -> float | None:
+        """Seconds per batch between dispatches over the last ``intervals`` settled intervals (default: the same
+        window as :meth:`pace`; ``None`` where there are fewer, or where the pace is): a batch's wall time on the
+        running plan, waits included."""
+        intervals = self.window if intervals is None else min(intervals, self.window)
+        if not self._settled(intervals):
+            return None
+        return (self._times[-1][0] - self._times[-1 - intervals][0]) / intervals
 
-    def _settled(self) -> bool:
-        running = self._trial is None and len(self._times) > self.window
-        return running and self._times[0][2] >= self.planner.plan_since
+    def _settled(self, intervals: int | None = None) -> bool:
+        intervals = self.window if intervals is None else intervals
+        running = self._trial is None and len(self._times) > intervals >= 1
+        return running and self._times[-1 - intervals][2] >= self.planner.plan_since
 
     def _pace(self) -> float:
         """Seconds per unit of work between the first and the last dispatch of the window: per input element
