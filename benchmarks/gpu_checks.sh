@@ -41,7 +41,8 @@
 #        share-24gib (issue 39: optimizer_on=0.35 and 0.25, a share of the states on the GPU, against the defaults)
 #        auto-share-24gib (issue 39: "auto" moving a share where the host bounds the step, against the defaults)
 #        auto-share-default (the switch alone)
-#        devopt-80gb (issue 39: an 80 GB card, every state moved by ShareSwitch.whole, the default, or the host)
+#        devopt-80gb (issue 39: an 80 GB card, every state moved by ShareSwitch.whole, the default, or the host;
+#        -8 or -fixed: one half)
 #        share-rest (issue 39: optimizer_on=0.3 at 24 GiB where the host does not bound the step: 32 a step, fixed)
 #        varlen-8-devopt fixed-devopt (issue 39: optimizer_on="device" against the defaults) varlen-8-noop (no host math)
 #        host-casts (issue 39: the host's cast and the GPU's beside the math; pinned by allocation or in place)
@@ -300,8 +301,8 @@ for step in "${steps[@]}"; do
       # compute): the share moved near step 11, about 0.3, judged near step 20; kept at 1.1-1.3x the 19.1k. About 110 s
       run auto-share-default 190 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-autoshare --warmup 26 --steps 6 --config-timeout 180 --out "$OUT/auto-share-default.json" ;;
-    devopt-80gb)  # issue 39 on an 80 GB card (the H100s this week), full card: "auto" kept the states on the host
-      # there until ShareSwitch.whole (on since 2026-12-07), since their 32 GiB (20 bytes a parameter) are just over half
+    devopt-80gb|devopt-80gb-8|devopt-80gb-fixed)  # issue 39 on an 80 GB card (the H100s this week), full card:
+      # "auto" kept the states on the host there until ShareSwitch.whole (on since 2026-12-07), since their 32 GiB (20 bytes a parameter) are just over half
       # of gpu_memory (31.7 GiB); the host then bounds the step at 8 a step (22,203 real tokens/s; every state on the
       # GPU by hand, newcomer-devopt, 33,349). The whole switch moves them once the first plan settled (step 12, an 11 s
       # step, over the pace's window; from 2026-12-07 over two intervals: expected two steps sooner) where the workers
@@ -310,11 +311,11 @@ for step in "${steps[@]}"; do
       # go; fixed 32 x 2048: nothing moved, within 2% of newcomer-nowhole. About 480 s
       # On an H200 the card is capped at 80 GiB (--gpu-gib), which is what an H100 80GB gives the plan.
       cap=$(python -c "import torch; print(80 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else '')")
-      run devopt-80gb-8 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 ${cap:+--gpu-gib $cap} \
-        --configs newcomer-nowhole,newcomer --warmup 16 --steps 8 --config-timeout 140 \
+      [ "$step" != devopt-80gb-fixed ] && run devopt-80gb-8 330 python benchmarks/lightning_user.py --varlen 256,4096 \
+        --seqs 8 ${cap:+--gpu-gib $cap} --configs newcomer-nowhole,newcomer --warmup 16 --steps 8 --config-timeout 140 \
         --out "$OUT/devopt-80gb-8.json"
-      run devopt-80gb-fixed 240 python benchmarks/lightning_user.py ${cap:+--gpu-gib $cap} --configs newcomer-nowhole,newcomer \
-        --warmup 8 --steps 6 --config-timeout 110 --out "$OUT/devopt-80gb-fixed.json" ;;
+      [ "$step" != devopt-80gb-8 ] && run devopt-80gb-fixed 240 python benchmarks/lightning_user.py ${cap:+--gpu-gib $cap} \
+        --configs newcomer-nowhole,newcomer --warmup 8 --steps 6 --config-timeout 110 --out "$OUT/devopt-80gb-fixed.json" ;;
     share-rest)  # issue 39: a share's cost where the host does not bound the step, 24 GiB: 32 a step of the varlen
       # data (the defaults 40,676 on the H200) and fixed 32 x 2048 (39-40k), optimizer_on=0.3 (about half the 19.2 GiB
       # limit) against the defaults, one call. Expected: the share within 5% of the defaults, or slower where the halved
