@@ -302,8 +302,8 @@ for step in "${steps[@]}"; do
       run auto-share-default 190 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-autoshare --warmup 26 --steps 6 --config-timeout 180 --out "$OUT/auto-share-default.json" ;;
     devopt-80gb|devopt-80gb-8|devopt-80gb-fixed)  # issue 39 on an 80 GB card (the H100s this week), full card:
-      # "auto" kept the states on the host there until ShareSwitch.whole (on since 2026-12-07), since their 32 GiB (20 bytes a parameter) are just over half
-      # of gpu_memory (31.7 GiB); the host then bounds the step at 8 a step (22,203 real tokens/s; every state on the
+      # "auto" kept the states on the host there until ShareSwitch.whole (on since 2026-12-07), since their 32 GiB
+      # (20 bytes a parameter) are just over half of gpu_memory (31.7 GiB); the host then bounds the step at 8 a step (22,203 real tokens/s; every state on the
       # GPU by hand, newcomer-devopt, 33,349). The whole switch moves them once the first plan settled (step 12, an 11 s
       # step, over the pace's window; from 2026-12-07 over two intervals: expected two steps sooner) where the workers
       # wait for the host. Expected: newcomer 1.4x newcomer-nowhole or more over steps 17-24,
