@@ -297,8 +297,9 @@ def test_an_edit_on_the_host_during_training_is_replaced_by_the_devices_values_w
         _train(engine, opt, data[:2])
         with torch.no_grad():
             next(model.parameters()).zero_()
-        with pytest.warns(UserWarning, match="changed on the host during training"):
+        with pytest.warns(UserWarning, match="changed on the host during training") as said:
             _train(engine, opt, data[2:])
+        assert "RoundPipeStrategy(optimizer_on='host') to keep edits made between steps" in str(said[0].message)
         engine.flush()
         assert next(model.parameters()).abs().sum() > 0
     finally:

@@ -301,8 +301,10 @@ class ResidentStates:
         if self.host_changed():
             warnings.warn(
                 "roundpipe: the parameters or the optimizer's state changed on the host during training with"
-                " optimizer_on='device'; the device's values, updated since, replace them (edit them after a"
-                " checkpoint or validation, which bring the device's values to the host)",
+                " optimizer_on='device' (what 'auto' picks where they fit on the one GPU); the device's values,"
+                " updated since, replace them. Edit them after a checkpoint or validation, which bring the device's"
+                " values to the host, or pass RoundPipeStrategy(optimizer_on='host') to keep edits made between"
+                " steps (weight clipping, pruning masks), as plain training does",
                 stacklevel=outside_package(),
             )
         dev = self.device
