@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,8 +20,10 @@ from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, needs_a_gpu, use_fused_kernels
 from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
+from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
 from lightning_roundpipe.runtime.placement import AUTO_SHARE, STATES_MOST, deepest_share, resident_bytes
+from lightning_roundpipe.runtime.resident import EDITED
 from lightning_roundpipe.runtime.shadow import wrapped_optimizer
 
 
@@ -163,6 +167,29 @@ def build_placed(
         if planner.profile is None and (plan := planner.plan_for_memory(again.store, planner.memory_limit)) is not None:
             again.set_plan(plan)  # (measuring: it plans under the new limit after)
     return again
+
+
+def back_after_edit(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine | None:
+    """Where ``optimizer_on="auto"`` keeps the states on the GPU and the module's weights or the optimizer's state
+    were edited during training (:meth:`ResidentStates.edited`: a callback clipping or masking the weights between
+    steps), the engine built again with them on the host, where such edits take effect as in plain training; on
+    the GPU every later edit would be replaced by the device's values too, each after a flush. This edit is
+    replaced (the host's copy is up to one update behind the device's). ``None``: nothing to do, or not now."""
+    resident = engine.resident
+    if resident is None or arguments.options.optimizer_on != "auto" or not resident.edited():
+        return None
+    with warnings.catch_warnings():  # (the flush's warning about this edit: said once below instead)
+        warnings.filterwarnings("ignore", message=re.escape(EDITED))
+        back = build_placed(engine, arguments, "host")
+    if back is not None:
+        warnings.warn(
+            "roundpipe: the module's weights or the optimizer's state were edited during training (a callback"
+            " clipping or masking the weights, say) while optimizer_on='auto' kept them on the GPU, where the"
+            " device's values, updated since, replace such edits: this one was replaced, and from here on they are"
+            " on the host, where edits take effect (RoundPipeStrategy(optimizer_on='host') keeps the first too)",
+            stacklevel=outside_package(),
+        )
+    return back
 
 
 @contextlib.contextmanager

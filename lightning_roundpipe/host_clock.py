@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_roundpipe.build import EngineArguments, build_placed, could_share
+from lightning_roundpipe.build import EngineArguments, back_after_edit, build_placed, could_share
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.cache import CacheWatch
 from lightning_roundpipe.engine.planner import unchanged
@@ -334,6 +334,11 @@ class ShareSwitch:
         engine = strategy.engine
         if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
             self.watch(could_share(engine, engine_arguments()))
+        edited = engine.resident is not None and engine.resident.edited()  # "auto"'s states to the host, for good
+        if edited and (back := back_after_edit(engine, engine_arguments())) is not None:
+            self._engine, self._done, self._whole, self._moved = _install(strategy, back), True, None, None
+            self.outcome = {"share": 0.0, "kept": True, "judged": False, "edited": True}
+            return
         if self._move_whole(strategy, engine, engine_arguments):
             return
         if not self.eligible or self._done or not engine.steps.between_steps():

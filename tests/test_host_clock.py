@@ -333,9 +333,8 @@ def _between(planner) -> SimpleNamespace:
     planner.fitted, planner.profile = object(), None
     store = HostStore([torch.nn.Linear(64, 64) for _ in range(4)], torch.bfloat16, separate_compute=True)
     steps = SimpleNamespace(between_steps=lambda: True)
-    return SimpleNamespace(
-        planner=planner, store=store, steps=steps, caches=SimpleNamespace(interval=lambda intervals=None: None)
-    )
+    caches = SimpleNamespace(interval=lambda intervals=None: None)
+    return SimpleNamespace(planner=planner, store=store, steps=steps, caches=caches, resident=None)
 
 
 def test_the_waits_are_weighed_only_where_periods_compare_and_afresh_on_an_engine_built_elsewhere(monkeypatch):
@@ -499,3 +498,47 @@ def test_the_switch_is_off_by_default():
     switch = ShareSwitch()
     switch.watch(True)
     assert not switch.eligible and not ShareSwitch.automatic
+
+
+class _Clamp(L.Callback):
+    """Weight clipping between steps, from step ``start`` on (a WGAN critic's, or a pruning mask's kind of edit)."""
+
+    def __init__(self, start: int = 0, bound: float = 0.05) -> None:
+        self.start, self.bound, self.places = start, bound, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.places.append(trainer.strategy.engine.resident is not None)
+        if trainer.global_step >= self.start:
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.clamp_(-self.bound, self.bound)
+
+
+@pytest.mark.timeout(180)
+def test_auto_moves_the_states_to_the_host_once_the_weights_are_edited_between_steps(monkeypatch):
+    """On the GPU the device's values replace an edit of the module's weights during training (the host's copy is
+    up to one update behind them): where "auto" put the states there, the first edit moves them to the host, with
+    one warning, and later edits take effect as with the states on the host from the start (that run's weights
+    clamped the same from that step on); an explicit optimizer_on="device" keeps them there, warning."""
+    from lightning_roundpipe.engine import pipeline
+
+    placed = pipeline.place_states
+    monkeypatch.setattr(pipeline, "place_states", lambda on, *args: placed("device" if on == "auto" else on, *args))
+    runs = {}
+    for place in ("auto", "host", "device"):
+        clamp = _Clamp(start=3)
+        strategy = RoundPipeStrategy(num_microbatches=2, optimizer_on=place)
+        kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 2, "callbacks": [clamp], "strategy": strategy}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs[place] = flat_weights(fit(BoringPipeline, kwargs))
+        said = [str(w.message) for w in caught if "edited during training" in str(w.message)]
+        replaced = [str(w.message) for w in caught if "changed on the host during training" in str(w.message)]
+        if place == "auto":
+            assert len(said) == 1 and not replaced and "this one was replaced" in said[0]
+            assert clamp.places[:3] == [True] * 3 and not any(clamp.places[3:])  # clamped after the third, moved
+            assert strategy._share.outcome["edited"] is True
+        else:
+            assert not said and (bool(replaced) is (place == "device"))
+    assert runs["auto"].abs().max() <= 1.5 * runs["host"].abs().max() < 0.1  # clamped, to one update after it
+    assert runs["device"].abs().max() > 2 * runs["host"].abs().max()  # the device's values kept

@@ -46,6 +46,9 @@ from lightning_roundpipe.runtime.placement import STATE_BYTES, STATES_MOST, resi
 from lightning_roundpipe.runtime.profile import TransferRate
 from lightning_roundpipe.runtime.shadow import GroupSync, optimizer_over, steps_apart
 
+EDITED = "roundpipe: the parameters or the optimizer's state changed on the host"
+"""How the warning about an edit replaced by the device's values begins."""
+
 
 class ResidentStates:
     """The trainable groups' training states on one worker device (see the module docstring)."""
@@ -294,13 +297,18 @@ class ResidentStates:
         with self._viewing:
             return self._host_view() != self._seen
 
+    def edited(self) -> bool:
+        """Whether the host's masters or states changed since the device's updates began leading them: a user's
+        edit during training (a callback clipping or masking the weights), which the next flush replaces."""
+        return self._ahead and bool(self.master) and self.host_changed()
+
     def to_host(self, step: int) -> None:
         """After a flush: the masters, the optimizer's states and the copy step ``step`` reads, on the host."""
         if not self._ahead or not self.master:
             return  # nothing the device changed since it matched the host
         if self.host_changed():
             warnings.warn(
-                "roundpipe: the parameters or the optimizer's state changed on the host during training with"
+                EDITED + " during training with"
                 " optimizer_on='device' (what 'auto' picks where they fit on the one GPU); the device's values,"
                 " updated since, replace them. Edit them after a checkpoint or validation, which bring the device's"
                 " values to the host, or pass RoundPipeStrategy(optimizer_on='host') to keep edits made between"
