@@ -93,9 +93,9 @@ def test_a_settled_plan_gives_its_wall_seconds_a_batch_and_none_on_trial():
     drive(watch, planner, range(6))
     assert watch.interval() is None and watch.pace() is None  # calls 0-1 settle; four intervals from call 6
     assert watch.interval(2) == pytest.approx(1.25)  # two intervals from call 4 (what the whole move weighs)
-    assert watch.interval(9) is None  # (at most the window: the times kept)
     drive(watch, planner, range(6, 7))
     assert watch.interval() == pytest.approx(1.25) and watch.pace() == pytest.approx(1.25 / 8)
+    assert watch.interval(CacheWatch.window + 1) is None  # more intervals than the times kept
 
     watch, planner, device = watch_for({8.0: "A", 6.0: "B"}, {"A": 1.0, "B": 0.8})
     assert drive(watch, planner, range(6)) == [] and watch.interval() is None

@@ -538,6 +538,7 @@ def test_auto_moves_the_states_to_the_host_once_the_weights_are_edited_between_s
             assert len(said) == 1 and not replaced and "this one was replaced" in said[0]
             assert clamp.places[:3] == [True] * 3 and not any(clamp.places[3:])  # clamped after the third, moved
             assert strategy._share.outcome["edited"] is True
+            assert strategy.options.optimizer_on == "host"  # (an engine built again later: on the host too)
         else:
             assert not said and (bool(replaced) is (place == "device"))
     assert runs["auto"].abs().max() <= 1.5 * runs["host"].abs().max() < 0.1  # clamped, to one update after it

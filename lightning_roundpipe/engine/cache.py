@@ -174,8 +174,8 @@ class CacheWatch:
         """Seconds per batch between dispatches over the last ``intervals`` settled intervals (default: the same
         window as :meth:`pace`; ``None`` where there are fewer, or where the pace is): a batch's wall time on the
         running plan, waits included."""
-        intervals = self.window if intervals is None else min(intervals, self.window)
-        if not self._settled(intervals):
+        intervals = self.window if intervals is None else intervals
+        if intervals > self.window or not self._settled(intervals):  # (more than the times kept)
             return None
         return (self._times[-1][0] - self._times[-1 - intervals][0]) / intervals
 
