@@ -6,7 +6,7 @@ import contextlib
 import re
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -169,18 +169,21 @@ def build_placed(
     return again
 
 
-def back_after_edit(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngine | None:
+def back_after_edit(engine: PipelineEngine, arguments: Callable[[], EngineArguments]) -> PipelineEngine | None:
     """Where ``optimizer_on="auto"`` keeps the states on the GPU and the module's weights or the optimizer's state
     were edited during training (:meth:`ResidentStates.edited`: a callback clipping or masking the weights between
     steps), the engine built again with them on the host, where such edits take effect as in plain training; on
     the GPU every later edit would be replaced by the device's values too, each after a flush. This edit is
-    replaced (the host's copy is up to one update behind the device's). ``None``: nothing to do, or not now."""
+    replaced (the host's copy is up to one update behind the device's). Between steps only; ``arguments``: asked
+    for only after an edit. ``None``: nothing to do, or not now."""
     resident = engine.resident
-    if resident is None or arguments.options.optimizer_on != "auto" or not resident.edited():
+    if resident is None or not engine.steps.between_steps() or not resident.edited():
+        return None
+    if (given := arguments()).options.optimizer_on != "auto":
         return None
     with warnings.catch_warnings():  # (the flush's warning about this edit: said once below instead)
         warnings.filterwarnings("ignore", message=re.escape(EDITED))
-        back = build_placed(engine, arguments, "host")
+        back = build_placed(engine, given, "host")
     if back is not None:
         warnings.warn(
             "roundpipe: the module's weights or the optimizer's state were edited during training (a callback"

@@ -335,8 +335,7 @@ class ShareSwitch:
         engine = strategy.engine
         if self._engine is not None and engine is not self._engine:  # built again elsewhere: the default's again
             self.watch(could_share(engine, engine_arguments()))
-        edited = engine.resident is not None and engine.steps.between_steps() and engine.resident.edited()
-        if edited and (back := back_after_edit(engine, engine_arguments())) is not None:  # "auto"'s, for good:
+        if (back := back_after_edit(engine, engine_arguments)) is not None:  # "auto"'s states to the host, for good:
             strategy.options = replace(strategy.options, optimizer_on="host")  # (engines built later too)
             self._engine, self._done, self._whole, self._moved = _install(strategy, back), True, None, None
             self.outcome = {"share": 0.0, "kept": True, "judged": False, "edited": True}
