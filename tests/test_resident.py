@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_async import batches, make_optimizer, mlp, run_async, staleness_one_reference
+from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
@@ -727,5 +729,100 @@ def test_a_checkpoint_after_an_announced_last_batch_saves_every_groups_copy_alik
         assert 0 < len(engine.resident.held) < len(saved)
         for g, copy_ in saved.items():  # each the masters (every submitted update) in the compute dtype
             assert torch.equal(copy_, engine.store.groups[g].data.to(copy_.dtype)), g
+    finally:
+        engine.close()
+
+
+class _SlowAdamW(torch.optim.AdamW):
+    """AdamW whose step of each group takes a while: a failure in the next batch finds its update running."""
+
+    def step(self, closure=None):
+        time.sleep(0.03)
+        return super().step(closure)
+
+
+def _update_began(trace: list, step: int, group: int | None = None, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(e[0] == "update" and e[1] == step and group in (None, e[2]) for e in list(trace)):
+        assert time.monotonic() < deadline, f"update {step} never began"
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_a_failure_in_the_next_batch_lets_the_update_whose_gradients_landed_finish(place):
+    """The module after a failed batch holds whole steps (what Lightning's ``OnExceptionCheckpoint`` saves): the
+    update running beside the failed batch had every gradient, so it finishes instead of stopping at its next group
+    (which left some layers one update behind the rest)."""
+    model, data = mlp(), batches(5)
+    want = staleness_one_reference(model, data[:4])
+    opt = _SlowAdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+    trace = engine.crew.record_trace()
+
+    def loss(a, b):
+        raise RuntimeError("the user's loss failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="the user's loss failed"):
+            for t, ((x, y),) in enumerate(data):
+                if t == 4:
+                    _update_began(trace, 3)  # its gradients landed; 4 groups x 30 ms still to go
+                engine.train_batch(x, y, loss if t == 4 else F.mse_loss)
+                engine.submit_step(UpdateSpec.capture(opt))
+    finally:
+        engine.close()
+    got = _flat(model)
+    assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+class _FailsBackward(torch.autograd.Function):
+    """The identity, whose backward fails in the fourth batch once its update began on the deep groups."""
+
+    rows, trace = 0, None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _FailsBackward.rows += grad.shape[0]
+        if _FailsBackward.rows > 3 * 12:  # (12 rows a batch)
+            _update_began(_FailsBackward.trace, 3)
+            raise RuntimeError("a backward failed")
+        return grad
+
+
+class _Identity(nn.Module):
+    def forward(self, x):
+        return _FailsBackward.apply(x)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["host", "device"])
+def test_a_failure_in_a_backward_after_its_update_began_warns_that_the_weights_mix_two_steps(place):
+    """Each group's update starts once its gradient is complete, beside the backward of the shallower layers: a
+    failure there leaves the deep groups updated and the shallow ones not. That cannot be undone, so it is said.
+    (On the host with one copy of the weights, an update starts only after the previous one's casts, which wait
+    for the last read of each group, in the backward: double buffering lets it start sooner.)"""
+    model, data = mlp(), batches(5)
+    layers = list(model.children())
+    engine = PipelineEngine(
+        [layers[0], _Identity(), *layers[1:]],
+        [WorkerDevice("cpu")],
+        asynchronous=True,
+        optimizer_on=place,
+        double_buffer=place == "host",
+    )
+    opt = make_optimizer(model.parameters())
+    _FailsBackward.rows, _FailsBackward.trace = 0, engine.crew.record_trace()
+    try:
+        mixed = r"stopped an update after [123] of its 4 parameter groups"
+        with pytest.raises(RuntimeError, match="a backward failed"), pytest.warns(UserWarning, match=mixed):
+            for (x, y), *_ in data:
+                engine.train_batch(x, y, F.mse_loss)
+                engine.submit_step(UpdateSpec.capture(opt))
+            engine.flush()
     finally:
         engine.close()

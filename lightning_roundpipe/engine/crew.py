@@ -10,6 +10,7 @@ thread then re-raises the kept error with its original traceback.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -181,13 +182,22 @@ class Crew:
                 opener()
 
     def fail(self) -> NoReturn:
-        """Stop everything after an error and raise it; the engine is not reusable (an update may have
-        been cut short), but the process is not stuck and no thread keeps running."""
+        """Stop everything after an error and raise it; the engine is not reusable, but the process is not
+        stuck and no thread keeps running. An update whose gradients had all landed finishes first (a few
+        host steps' time allowed); one whose gradients were incomplete may have been cut short, said here."""
         self.on_error(RuntimeError("aborted"))
         self.wait_live(timeout=30.0)
         self.drain()
         if self.optimizer is not None:
-            self.optimizer.wait_all(timeout=30.0)
+            last = self.optimizer.last_update
+            self.optimizer.wait_all(timeout=30.0 + 3 * (last[1] if last is not None else 0.0))
+            if (cut := self.optimizer.cut_short) is not None:
+                warnings.warn(
+                    f"roundpipe: the failure stopped an update after {cut[0]} of its {cut[1]} parameter groups (the"
+                    " step's gradients were incomplete): the module's weights now mix two steps, so a checkpoint"
+                    " saved from them (OnExceptionCheckpoint) is no step's; resume from an earlier one",
+                    stacklevel=2,
+                )
         self.failed = True
         error = self.error
         assert error is not None

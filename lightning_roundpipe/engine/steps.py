@@ -228,7 +228,7 @@ class StepChain:
     def open_gates(self) -> None:
         """After an abort: wake the optimizer thread wherever it waits."""
         for gate in self._job_gates:
-            gate.set()
+            gate.force()
         for window in self.windows.values():
             window.closed.set()
 

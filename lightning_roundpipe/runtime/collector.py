@@ -101,7 +101,7 @@ class GradCollector:
             try:
                 waited = time.perf_counter()
                 self.device.host_wait(job.ready)
-                pending = [gate for gate in job.waits if not gate.is_set()]
+                pending = [gate for gate in job.waits if not gate.happened()]  # (an abort may have opened one)
                 if pending:  # only then: an open gate's wait would let a worker past its bound for nothing
                     self._waiting_on_gates(True)
                     for gate in pending:

@@ -282,7 +282,7 @@ class Flight:
     def open_all_gates(self) -> None:
         """After an abort: wake every thread waiting on this flight."""
         for gate in self._gates:
-            gate.set()
+            gate.force()
 
     def batch_loss(self) -> Tensor:
         """Sum of the weighted micro-batch losses in micro-batch order: the loss of the whole batch.

@@ -105,6 +105,16 @@ class UpdateJob:
     math_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 
+    def wait_gradient(self, g: int) -> None:
+        """Wait until group ``g``'s gradient of the step is complete. After an abort (a failure in the next
+        batch) go on where every gradient of the step had landed: the update then finishes, and the weights
+        after a failure are whole steps, not some layers one update behind the rest."""
+        try:
+            self.grads_complete[g].wait()
+        except PipelineAborted:
+            if not all(gate.happened() for gate in self.grads_complete.values()):
+                raise
+
 
 class OptimizerWorker:
     """One thread applying submitted updates in order."""
@@ -131,6 +141,9 @@ class OptimizerWorker:
         grown after ``growth_interval`` finite steps), as :meth:`scale_after` hands it to later steps."""
         self._decided: dict[int, threading.Event] = {}
         self._decided_lock = threading.Lock()
+        self.cut_short: tuple[int, int] | None = None
+        """(groups updated, groups) of an update an abort stopped midway (its gradients incomplete: a failure in
+        its own step's backward, after the deep groups' update began): the weights then mix two steps."""
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
@@ -187,7 +200,9 @@ class OptimizerWorker:
             try:
                 self._run(job)
             except PipelineAborted:
-                pass
+                stepped = sum(job.consumed[g].happened() for g in job.groups)
+                if 0 < stepped < len(job.groups):
+                    self.cut_short = (stepped, len(job.groups))
             except BaseException as e:
                 self._on_error(e)
             finally:
@@ -242,7 +257,7 @@ class OptimizerWorker:
     def _norm(self, job: UpdateJob, groups: list[int]) -> float:
         """The 2-norm of ``groups``' host gradients, once they are complete."""
         for g in groups:
-            job.grads_complete[g].wait()
+            job.wait_gradient(g)
         return math.sqrt(sum(float(torch.linalg.vector_norm(self._grad(g)).double()) ** 2 for g in groups))
 
     def _math(self, job: UpdateJob, groups: Any = None, given: float | None = None, done: float = 0.0) -> None:
@@ -264,7 +279,10 @@ class OptimizerWorker:
         reduced: set[int] = set()
 
         def complete(g: int) -> None:
-            job.grads_complete[g].wait()
+            if exchange is None:
+                job.wait_gradient(g)
+            else:  # (after an abort the other nodes' collectives may never come)
+                job.grads_complete[g].wait()
             if exchange is not None and g not in reduced:
                 exchange.reduce(g)  # in update order on every node: the collectives pair up
                 reduced.add(g)

@@ -140,7 +140,7 @@ class ResidentStates:
         clip_norm = spec.clip_value is not None and spec.clip_algorithm == "norm"
         if clip_norm or spec.measure_norm or not self._apart:  # (one step of all waits for all gradients too)
             for g in groups:
-                job.grads_complete[g].wait()
+                job.wait_gradient(g)
             start = time.perf_counter()
             with dev.on(self.stream):
                 norms = torch.stack([torch.linalg.vector_norm(self.grad[g].float()) for g in groups])
@@ -152,7 +152,7 @@ class ResidentStates:
                 coefficient = min(1.0, spec.clip_value / (total + 1e-6))
         for part in [[g] for g in groups] if self._apart else [groups]:
             for g in part:
-                job.grads_complete[g].wait()  # edge 3: the collector saw the slot's writes complete
+                job.wait_gradient(g)  # edge 3: the collector saw the slot's writes complete
             start = time.perf_counter()
             with dev.on(self.stream):
                 for g in part:
