@@ -289,6 +289,21 @@ def test_the_optimizer_on_the_gpu_through_lightning_matches_the_host_optimizer_o
     assert relative_error(flat_weights(gpu), flat_weights(cpu)) <= 1e-4
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("through", ["no_grad", "data"])
+def test_an_edit_between_steps_moves_autos_states_from_the_gpu_to_the_host(through):
+    """A clamp of the weights between steps, with ``torch.no_grad()`` or through ``p.data`` (no version counter
+    moves: the host's sampled masters, copied down from the GPU after each update, show it)."""
+    from test_host_clock import _Clamp
+
+    clamp = _Clamp(start=3, through=through)
+    kwargs = {"accelerator": "gpu", "devices": 1, "max_epochs": 2, "callbacks": [clamp]}
+    with pytest.warns(UserWarning, match="edited during training"):
+        model = fit(BoringPipeline, {**kwargs, "strategy": RoundPipeStrategy(num_microbatches=2, optimizer_on="auto")})
+    assert clamp.places[:3] == [True] * 3 and not any(clamp.places[4:])  # on the GPU, then on the host for good
+    assert flat_weights(model).abs().max() < 0.1  # clamped to 0.05, and one update after it
+
+
 def test_chunked_loss_stage_peak_memory_is_a_fraction_of_full_logits():
     """The loss stage of a Qwen3-sized head, against plain linear + cross-entropy: its peak does not grow
     with the tokens of the micro-batch and stays far below the full logits."""

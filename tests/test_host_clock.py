@@ -503,30 +503,32 @@ def test_the_switch_is_off_by_default():
 class _Clamp(L.Callback):
     """Weight clipping between steps, from step ``start`` on (a WGAN critic's, or a pruning mask's kind of edit)."""
 
-    def __init__(self, start: int = 0, bound: float = 0.05) -> None:
-        self.start, self.bound, self.places = start, bound, []
+    def __init__(self, start: int = 0, bound: float = 0.05, through: str = "no_grad") -> None:
+        self.start, self.bound, self.through, self.places = start, bound, through, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.places.append(trainer.strategy.engine.resident is not None)
         if trainer.global_step >= self.start:
             with torch.no_grad():
                 for p in pl_module.parameters():
-                    p.clamp_(-self.bound, self.bound)
+                    (p.data if self.through == "data" else p).clamp_(-self.bound, self.bound)
 
 
 @pytest.mark.timeout(180)
-def test_auto_moves_the_states_to_the_host_once_the_weights_are_edited_between_steps(monkeypatch):
+@pytest.mark.parametrize("through", ["no_grad", "data"])
+def test_auto_moves_the_states_to_the_host_once_the_weights_are_edited_between_steps(monkeypatch, through):
     """On the GPU the device's values replace an edit of the module's weights during training (the host's copy is
     up to one update behind them): where "auto" put the states there, the first edit moves them to the host, with
     one warning, and later edits take effect as with the states on the host from the start (that run's weights
-    clamped the same from that step on); an explicit optimizer_on="device" keeps them there, warning."""
+    clamped the same from that step on); an explicit optimizer_on="device" keeps them there, warning. An edit
+    through ``p.data`` moves no version counter: the host's sampled masters show it (it was dropped silently)."""
     from lightning_roundpipe.engine import pipeline
 
     placed = pipeline.place_states
     monkeypatch.setattr(pipeline, "place_states", lambda on, *args: placed("device" if on == "auto" else on, *args))
     runs = {}
     for place in ("auto", "host", "device"):
-        clamp = _Clamp(start=3)
+        clamp = _Clamp(start=3, through=through)
         strategy = RoundPipeStrategy(num_microbatches=2, optimizer_on=place)
         kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": 2, "callbacks": [clamp], "strategy": strategy}
         with warnings.catch_warnings(record=True) as caught:

@@ -75,6 +75,10 @@ class WorkerDevice:
     def host_wait(self, event: Any) -> None:
         """Block the calling thread until ``event`` completed."""
 
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` completed, without waiting."""
+        return True
+
     def keep_alive(self, tensor: Tensor, stream: Any) -> None:
         """Tell the allocator ``tensor`` is used on ``stream``, so freeing it never races that use."""
 
@@ -306,6 +310,9 @@ class CudaWorkerDevice(WorkerDevice):
     def host_wait(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def done(self, event: Any) -> bool:
+        return event is None or event.query()
 
     def keep_alive(self, tensor: Tensor, stream: Any) -> None:
         if tensor.device.type == "cuda":

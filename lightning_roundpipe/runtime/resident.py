@@ -1,10 +1,9 @@
 """The optimizer on the device (``RoundPipeStrategy(optimizer_on="device")``): for models whose training states
 fit on the one GPU beside the plan.
 
-With the optimizer on the host, every step moves about 40 bytes a parameter through host memory (AdamW reads and
-writes 28, the cast 6, the gradients' arrival and the weights' departure 6), and on one H200 with the Qwen3-1.7B
-shape at 8 sequences a step that bounded the step: letting those parts overlap more made it slower, and SGD's
-lighter math ran 30,074 real tokens/s against AdamW's 24,005 (docs/benchmarks.md, 2026-12-04). Here, per trainable
+With the optimizer on the host, every step moves about 40 bytes a parameter through host memory (AdamW 28, the
+cast 6, the gradients in and the weights out 6): on one H200 with the Qwen3-1.7B shape at 8 sequences a step that
+bounded the step (SGD's lighter math ran 30,074 real tokens/s against AdamW's 24,005, 2026-12-04). Here, per trainable
 group, the worker's device holds the fp32 master, its fp32 gradient, two compute copies (step ``k`` reads copy
 ``k % 2``) and the optimizer's states. Of them only the masters cross PCIe during training: each update's is
 copied to the host's (4 bytes a parameter over the device-to-host link, which this mode leaves idle otherwise), so
@@ -23,7 +22,7 @@ with the same host gates, each opened only once the device work behind it finish
 The host stays the checkpoint's and the user's view: :meth:`ResidentStates.to_host` (at every flush: checkpoints,
 evaluation, teardown) writes the masters, the optimizer's states and the compute copy the next step reads back,
 and :meth:`ResidentStates.from_host` takes them up again where something changed them there (a loaded checkpoint,
-a user's edit) before the next training batch.
+a user's edit: seen by the version counters, or :mod:`~lightning_roundpipe.runtime.edit_watch`'s samples).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import WorkerDevice
+from lightning_roundpipe.runtime.edit_watch import HostSamples
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.placement import STATE_BYTES, STATES_MOST, resident_bytes
 from lightning_roundpipe.runtime.profile import TransferRate
@@ -66,8 +66,7 @@ class ResidentStates:
         self.grad: dict[int, Tensor] = {}
         self.copies: dict[int, tuple[Tensor, Tensor]] = {}
         self.stream: Any = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        """The user's optimizer the shadow was built from (its states go back into it)."""
+        self.optimizer: torch.optim.Optimizer | None = None  # the user's, which the shadow copies (and gets back)
         self._shadow: torch.optim.Optimizer | None = None
         self._params: dict[int, list[tuple[nn.Parameter, nn.Parameter, Tensor]]] = {}
         self._seen: tuple[Any, ...] | None = None  # what the host held when the device last matched it
@@ -75,11 +74,11 @@ class ResidentStates:
         self._viewing = threading.Lock()  # the optimizer thread's first update sets what the main thread compares
         self._mirror_stream: Any = None  # the masters' copies to the host after each update
         self._mirrored: dict[int, Any] = {}  # per group, the last of them
+        self._samples = HostSamples(store, self.groups, device)  # edits the version counters do not show
         self._written: dict[int, Any] = {}  # per group, the gradients-down stream after its last gradient write
         self._room: dict[int, Tensor] = {}
-        """Per group, until its first update: the bytes its optimizer states will take, held on the optimizer's
-        stream, so that they come from this block (freed to that stream's cache just before the group's first
-        step) and a layer measured meanwhile does not count them in its memory peak."""
+        """Per group until its first update, its states' bytes held on the optimizer's stream: they come from this
+        block (freed just before the group's first step), and a layer measured meanwhile does not count them."""
         self._key: tuple[Any, ...] | None = None  # the optimizer and its parameter groups the shadow mirrors
         self._sync: GroupSync | None = None  # the shadow's group values against the optimizer's
         self._apart = True  # whether its groups may be stepped one by one (shadow.steps_apart)
@@ -187,15 +186,17 @@ class ResidentStates:
         step behind at most, for 4 bytes a parameter over the otherwise idle device-to-host link."""
         dev, index = self.device, self.groups.index(g)
         dev.wait(self._mirror_stream, updated)
+        self._samples.before_copy(g, self._mirrored.get(g))
         with self._viewing, dev.on(self._mirror_stream):  # the copy's version bump is ours, not a user's edit
             group = self.store.groups[g]
             ours = self._seen is not None and self._seen[0][index] == group.version()
             group.data.copy_(self.master[g], non_blocking=True)
+            self._samples.copy(g, self.master[g])
             if ours:
                 versions = list(self._seen[0])
                 versions[index] = group.version()
                 self._seen = (tuple(versions), self._seen[1])
-        self._mirrored[g] = dev.record(self._mirror_stream)
+            self._mirrored[g] = dev.record(self._mirror_stream)
 
     def _after_mirrors(self) -> None:
         """On the states' stream: the host copies in flight finished (before it reads or writes the host's)."""
@@ -256,9 +257,8 @@ class ResidentStates:
 
     # ------------------------------------------------------------------ the host's view
     def from_host(self, step: int) -> bool:
-        """Before a training batch of ``step``: take the masters, states and compute copies from the host where
-        it changed them since the device last matched it (the first batch, a loaded checkpoint, a user's edit).
-        Returns whether it did."""
+        """Before a training batch of ``step``: whether it took the masters, states and compute copies from the
+        host, which changed them since the device last matched it (the first batch, a loaded checkpoint, an edit)."""
         if not self.host_changed():
             return False
         dev = self.device
@@ -290,17 +290,20 @@ class ResidentStates:
         if self.transfers is not None:
             self.transfers.timed(sum(self.reads(g, step).nbytes for g in self.groups), dev.elapsed(start, end))
         self._seen = self._host_view()
+        self._samples.take()
         return True
 
     def host_changed(self) -> bool:
         """Whether the host holds masters or states the device has not taken (always before the first batch)."""
         with self._viewing:
-            return self._host_view() != self._seen
+            return self._host_view() != self._seen or self._samples.edited
 
     def edited(self) -> bool:
         """Whether the host's masters or states changed since the device's updates began leading them: a user's
         edit during training (a callback clipping or masking the weights), which the next flush replaces."""
-        return self._ahead and bool(self.master) and self.host_changed()
+        with self._viewing:
+            ahead = bool(self._ahead and self.master)
+            return ahead and (self._samples.look(self._mirrored) or self._host_view() != self._seen)
 
     def to_host(self, step: int) -> None:
         """After a flush: the masters, the optimizer's states and the copy step ``step`` reads, on the host."""
@@ -330,6 +333,7 @@ class ResidentStates:
                 self._sync.to_host()
         dev.host_wait(dev.record(self.stream))
         self._seen, self._ahead = self._host_view(), False
+        self._samples.take()
 
     def _host_view(self) -> tuple[Any, ...]:
         """What the host holds, cheaply: the masters' version counters and the optimizer's state dict."""
