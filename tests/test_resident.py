@@ -460,6 +460,9 @@ def _interacted(place: str, scenario: str) -> torch.Tensor:
             if t == 2 and scenario == "a group added":
                 opt.add_param_group({"params": params[4:], "lr": 0.02})
             engine.submit_step(UpdateSpec.capture(opt))
+            if t == 2 and scenario == "a flush and a prune through p.data":
+                engine.flush()  # (a checkpoint, say) then a mask written past the version counters
+                params[2].data.mul_((params[2].data.abs() > 0.1).to(params[2].dtype))
             if t == 2 and scenario.startswith("the states edited"):
                 engine.flush()  # the host holds the device's states, then the user changes them
                 for entry in opt.state.values():
@@ -478,6 +481,7 @@ def _interacted(place: str, scenario: str) -> torch.Tensor:
     "scenario",
     [
         "a flush and an edit in the middle of a step",
+        "a flush and a prune through p.data",  # taken up by the device (it replaced the mask before)
         "a group added",
         "the states edited in place",
         "the states edited by replacement",
@@ -751,7 +755,7 @@ def _update_began(trace: list, step: int, group: int | None = None, timeout: flo
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("place", ["host", "device"])
 def test_a_failure_in_the_next_batch_lets_the_update_whose_gradients_landed_finish(place):
-    """The module after a failed batch holds whole steps (what Lightning's ``OnExceptionCheckpoint`` saves): the
+    """The module after a failed batch holds whole steps (what code that catches the error saves): the
     update running beside the failed batch had every gradient, so it finishes instead of stopping at its next group
     (which left some layers one update behind the rest)."""
     model, data = mlp(), batches(5)

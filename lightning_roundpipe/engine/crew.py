@@ -190,12 +190,18 @@ class Crew:
         self.drain()
         if self.optimizer is not None:
             last = self.optimizer.last_update
-            self.optimizer.wait_all(timeout=30.0 + 3 * (last[1] if last is not None else 0.0))
-            if (cut := self.optimizer.cut_short) is not None:
+            timeout = 30.0 + 3 * (last[1] if last is not None else 0.0)
+            if not self.optimizer.wait_all(timeout=timeout):
+                warnings.warn(
+                    f"roundpipe: the update under way at the failure was still running {timeout:.0f} s later; the"
+                    " module's weights may change until it ends",
+                    stacklevel=2,
+                )
+            elif (cut := self.optimizer.cut_short) is not None:
                 warnings.warn(
                     f"roundpipe: the failure stopped an update after {cut[0]} of its {cut[1]} parameter groups (the"
-                    " step's gradients were incomplete): the module's weights now mix two steps, so a checkpoint"
-                    " saved from them (OnExceptionCheckpoint) is no step's; resume from an earlier one",
+                    " step's gradients were incomplete): the module's weights now mix two steps; do not resume"
+                    " from them, but from an earlier checkpoint",
                     stacklevel=2,
                 )
         self.failed = True

@@ -5,8 +5,8 @@ or pruning masks) writes the host's masters without moving ``p._version``, which
 :class:`~lightning_roundpipe.runtime.resident.ResidentStates` compares: the device's next copy to the host then
 replaced the edit without a word. So each group keeps a strided sample (at most :data:`SAMPLES` elements) of what
 the host holds once the device's last copy landed, taken from the device's master with that copy, and the
-optimizer thread compares it with the host's before the next copy (and the main thread between steps, where the
-last copy landed). An edit that changes none of the sampled elements (a few weights of a large group) still goes
+optimizer thread compares it with the host's before the next copy (and the main thread before each batch, where
+the last copy landed). An edit that changes none of the sampled elements (a few weights of a large group) still goes
 unseen.
 """
 
@@ -31,7 +31,7 @@ class HostSamples:
 
     def __init__(self, store: HostStore, groups: tuple[int, ...], device: WorkerDevice) -> None:
         self.store, self.device = store, device
-        self.stride = {g: max(1, store.groups[g].data.numel() // SAMPLES) | 1 for g in groups}
+        self.stride = {g: -(-store.groups[g].data.numel() // SAMPLES) | 1 for g in groups}
         """Odd strides: a pattern along a matrix's rows does not fall between the samples."""
         self.expected: dict[int, Tensor] = {}
         self.edited = False
@@ -57,8 +57,9 @@ class HostSamples:
         self._compare(g)
 
     def look(self, landed: dict[int, Any]) -> bool:
-        """Between steps, on the main thread, with no copy being issued: whether the host's masters were edited,
-        comparing the groups whose last copy ``landed`` (per group, an event) already."""
+        """On the main thread, before a batch and between steps, with no copy being issued: whether the host's
+        masters were edited, comparing the groups whose last copy ``landed`` (per group, an event) already. About
+        0.04 ms a group of 50 M parameters on the CPU machine: a few ms a batch for the largest models."""
         for g in self.stride:
             if self.device.done(landed.get(g)):
                 self._compare(g)
@@ -68,8 +69,10 @@ class HostSamples:
         expected = self.expected.get(g)
         if expected is None or self.edited:
             return
-        host, bits = self._sample(self.store.groups[g].data, g), _BITS[expected.element_size()]
-        if not torch.equal(host.view(bits), expected.view(bits)):  # (bits: a NaN equals itself)
+        host, bits = self._sample(self.store.groups[g].data, g), _BITS.get(expected.element_size())
+        if bits is not None:  # (bits: a NaN equals itself)
+            host, expected = host.view(bits), expected.view(bits)
+        if not torch.equal(host, expected):
             self.edited = True
 
     def copy(self, g: int, master: Tensor) -> None:

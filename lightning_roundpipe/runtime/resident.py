@@ -295,8 +295,8 @@ class ResidentStates:
 
     def host_changed(self) -> bool:
         """Whether the host holds masters or states the device has not taken (always before the first batch)."""
-        with self._viewing:
-            return self._host_view() != self._seen or self._samples.edited
+        with self._viewing:  # (not ahead: every copy to the host landed; an edit since shows in the samples)
+            return self._samples.edited or self._host_view() != self._seen or self._samples.look(self._mirrored)
 
     def edited(self) -> bool:
         """Whether the host's masters or states changed since the device's updates began leading them: a user's

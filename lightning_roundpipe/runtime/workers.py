@@ -43,29 +43,27 @@ class Gate:
     aborted (opened or not), so no thread waits forever on work that will never happen.
     """
 
-    __slots__ = ("_abort", "_event", "_forced")
+    __slots__ = ("_abort", "_event", "_happened")
 
     def __init__(self, abort: threading.Event | EitherEvent) -> None:
         self._event = threading.Event()
         self._abort = abort
-        self._forced = False
+        self._happened = False
 
     def set(self) -> None:
-        self._forced = False  # (the work happened, even after an abort opened it)
+        self._happened = True  # (first: a waiter woken by it finds it so)
         self._event.set()
 
     def force(self) -> None:
         """Open it for an abort: the waiters wake, but what it stands for did not happen."""
-        if not self._event.is_set():
-            self._forced = True
-            self._event.set()
+        self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
 
     def happened(self) -> bool:
         """Set by the work it stands for, not only opened by an abort."""
-        return self._event.is_set() and not self._forced
+        return self._happened
 
     def wait(self) -> None:
         # Wakes on the abort too, even when nobody sets this gate any more (a gate of a batch that had
