@@ -39,7 +39,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_roundpipe.engine import PipelineEngine
     from lightning_roundpipe.runtime import WorkerDevice
     from lightning_roundpipe.runtime.device import CudaWorkerDevice
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
     from lightning_roundpipe.schedule import StagePlan
 
     shape = SHAPES[args.model]

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 
 try:
     from lightning_roundpipe.runtime.shadow import steps_apart

@@ -41,7 +41,7 @@ from lightning_roundpipe.host_optimizer import use_fused_kernels
 from lightning_roundpipe.models import quantized
 from lightning_roundpipe.options import RoundPipeOptions
 from lightning_roundpipe.routing import PipelineCalls
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 from lightning_roundpipe.schedule.plan import StagePlan
 from lightning_roundpipe.schedule.transfers import Overlap
 
@@ -150,6 +150,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Adds the engine's state (counters, plan, pending-update compute copies) to a full checkpoint."""
+        if self.engine is not None and not self.engine.crew.whole_after_failure():
+            return  # (a warning says why)
         if self.engine is not None and "optimizer_states" in checkpoint:
             checkpoint["roundpipe"] = self.engine.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -290,10 +292,9 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if closure_result is None:
             return None
-        clip, scaling = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm), self.precision_plugin
-        spec = UpdateSpec.capture(
-            optimizer, *clip, self.measure_grad_norm, scaling.scaler, scaling.step_scale(self.engine)
-        )
+        scaling = self.precision_plugin
+        settings = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm, self.measure_grad_norm, scaling.scaler)
+        spec = UpdateSpec.capture(optimizer, *settings, scaling.step_scale(self.engine))
         self.engine.submit_step(spec)  # clipping and the update happen on the optimizer thread
         spec.optimizer._opt_called = True  # what an LR scheduler's step wrapper records: the step was taken
         return closure_result
@@ -301,9 +302,8 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
     def _device_step_s(self) -> float | None:
         """Seconds the GPUs compute for one optimizer step, from the last measured batch (CPU workers: none)."""
         compute = self.engine.stats.compute_s if self.engine is not None else None
-        if compute is None or not any(d.type == "cuda" for d in self.worker_devices):
-            return None
-        return compute * self.lightning_module.trainer.accumulate_grad_batches
+        cuda = compute is not None and any(d.type == "cuda" for d in self.worker_devices)
+        return compute * self.lightning_module.trainer.accumulate_grad_batches if cuda else None
 
     @property
     def host_step_s(self) -> float | None:

@@ -19,7 +19,7 @@ from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime import executor as executor_module
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
 from lightning_roundpipe.runtime import uploads as uploads_module
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
 

@@ -12,7 +12,7 @@ from test_engine import batch, mlp
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
 

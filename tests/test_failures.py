@@ -7,6 +7,7 @@ import copy
 import threading
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ SITES = ["act_up", "param_up", "act_down", "grad_down", "collector"]
 @pytest.mark.parametrize("asynchronous", [False, True])
 @pytest.mark.parametrize("site", SITES)
 def test_copy_and_collector_failures_reach_the_main_thread_and_stop_every_thread(site, asynchronous):
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -501,3 +502,138 @@ def test_a_new_plan_gives_back_the_idle_buffers_of_the_old_one(pinned_pool, monk
         assert held[1] < held[0] / 4  # after the second measuring batch: only its losses are still out
     finally:
         engine.close()
+
+
+class _FailingLoss:
+    """``BoringPipeline`` failing at batch ``at`` on a worker thread: in its loss, once the update submitted before
+    finished its math, or (``where="backward"``) in its backward: at the loss's input, whose error reaches the main
+    thread before Lightning counts the step, or (``counted``) in a layer of its own once the step was counted."""
+
+    def __init__(self, at: int, where: str = "loss", counted: bool = False) -> None:
+        self.at, self.where, self.rows, self.counted, self.engine = at, where, 0, counted, None
+        """``counted``: the backward fails only once Lightning counted the batch's step (its update submitted)."""
+
+    def module(self):
+        from helpers import BoringPipeline
+
+        import lightning_roundpipe
+
+        failing = self
+
+        class Gate(nn.Module):
+            def forward(self, x):
+                return failing.gate(x)
+
+        class Failing(BoringPipeline):
+            def __init__(self):
+                super().__init__()
+                if failing.counted:  # (a layer's backward runs after train_batch returned, the loss's before)
+                    self.model.insert(1, Gate())
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                engine = failing.engine = self.trainer.strategy.engine
+
+                def loss(out, target):
+                    if failing.where == "loss" and batch_idx == failing.at:
+                        engine.crew.optimizer.wait_math()  # the update of the step before finished
+                        raise RuntimeError("the loss failed")
+                    return F.mse_loss(out if failing.counted else failing.gate(out), target)
+
+                return lightning_roundpipe.pipeline_loss(self.model, x, y, loss)
+
+        return Failing()
+
+    def gate(self, out: torch.Tensor) -> torch.Tensor:
+        failing = self
+
+        class Backward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                failing.rows += grad.shape[0]
+                if failing.where == "backward" and failing.rows > failing.at * 12:  # (12 rows a batch, layer 1)
+                    deadline = time.monotonic() + 5.0
+                    while failing.counted and failing.engine.steps.step <= failing.at:
+                        assert time.monotonic() < deadline, "the step was never counted"
+                        time.sleep(0.005)
+                    raise RuntimeError("a backward failed")
+                return grad
+
+        return Backward.apply(out)
+
+
+def _checkpoints(tmp_path, failing: _FailingLoss | None):
+    import lightning as L
+    from helpers import boring_data
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    every = ModelCheckpoint(dirpath=tmp_path / "every", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    # (a fixed plan: no batch settles before train_batch returns, so a backward can fail after its step's count)
+    callbacks = [OnExceptionCheckpoint(dirpath=tmp_path, filename="failed")] if failing else [every]
+    plan = "3,3|4,3,3" if failing and failing.counted else "3,2|4,2,3"  # (the gate as a layer of its own: 10)
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3, plan=plan), accelerator="cpu", devices=2, max_epochs=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    L.seed_everything(1, verbose=False)
+    trainer.fit(failing.module() if failing else _FailingLoss(-1).module(), boring_data())
+
+
+def _same_step(failed: dict, regular: dict) -> None:
+    assert failed["global_step"] == regular["global_step"]
+    for k, v in regular["state_dict"].items():
+        assert torch.equal(failed["state_dict"][k], v), k
+    for k, state in regular["optimizer_states"][0]["state"].items():
+        got = failed["optimizer_states"][0]["state"][k]
+        assert all(torch.equal(got[n], t) for n, t in state.items())
+    assert "compute" not in failed["roundpipe"] and failed["roundpipe"]["step"] == regular["roundpipe"]["step"]
+
+
+@pytest.mark.timeout(120)
+def test_on_exception_checkpoint_after_a_worker_failure_holds_the_last_whole_step(tmp_path):
+    """Lightning's ``OnExceptionCheckpoint`` after a failure on a worker thread: the asynchronous update of the step
+    before finishes, and the checkpoint equals the regular one of that step (weights, optimizer states, counters),
+    without the compute copies a pending update would need: a resumed run's next step reads the masters. Before,
+    its save flushed the stopped engine and raised the error again, writing nothing."""
+    _checkpoints(tmp_path, None)
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        _checkpoints(tmp_path, _FailingLoss(at=5))
+    failed = torch.load(tmp_path / "failed.ckpt", weights_only=False)
+    _same_step(failed, torch.load(tmp_path / "every" / "step=5.ckpt", weights_only=False))
+    import lightning as L
+    from helpers import boring_data
+
+    from lightning_roundpipe import RoundPipeStrategy
+
+    trainer = L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatches=3, plan="3,2|4,2,3"), accelerator="cpu", devices=2, max_epochs=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(_FailingLoss(-1).module(), boring_data(), ckpt_path=tmp_path / "failed.ckpt")  # resumed from it
+    assert trainer.global_step == 16  # (3 more batches in the first epoch, then 8; Lightning warns its loader restarts)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("counted", [False, True])
+def test_after_a_backward_failure_a_checkpoint_is_a_whole_step_or_none_with_a_warning(tmp_path, counted):
+    """A failure in a batch's backward may come after Lightning counted its step, while that step's update cannot
+    finish (its gradients are incomplete): then no checkpoint is written, with a warning, rather than one whose
+    weights hold fewer steps than its step count. Where the error came before the count, the checkpoint is that
+    step's."""
+    _checkpoints(tmp_path, None)
+    with pytest.raises(RuntimeError, match="a backward failed"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _checkpoints(tmp_path, _FailingLoss(at=6, where="backward", counted=counted))
+    said = [w for w in caught if "no checkpoint written after the failure" in str(w.message)]
+    if counted:
+        assert len(said) == 1 and not (tmp_path / "failed.ckpt").exists()
+    else:  # (the error reaches the main thread before the count)
+        failed = torch.load(tmp_path / "failed.ckpt", weights_only=False)
+        _same_step(failed, torch.load(tmp_path / "every" / f"step={failed['global_step']}.ckpt", weights_only=False))
+        assert not said

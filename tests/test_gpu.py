@@ -408,7 +408,7 @@ def test_forward_only_pass_on_gpu_equals_the_plain_model():
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_same_seed_gives_bit_identical_weights_on_gpu(asynchronous):
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
 
     def run() -> torch.Tensor:
         model = mlp(dropout=0.1)  # dropout: each device's generator is seeded per layer and micro-batch
@@ -572,7 +572,7 @@ def test_a_real_out_of_memory_on_a_longer_batch_is_recovered_on_a_smaller_plan(a
     cannot hold a batch of 8192-token samples (2.3 GiB of activations in 4 micro-batches); that batch runs
     out of memory for real, runs again on a plan made for its size, and its gradients equal plain
     PyTorch's (synchronous mode; asynchronous: it trains on)."""
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
 
     model, cap = _blocks(), 2**30
     reference = copy.deepcopy(model).cuda()

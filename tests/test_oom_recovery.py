@@ -21,7 +21,7 @@ from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.recovery import GUARDED_BATCHES, MAX_ATTEMPTS
 from lightning_roundpipe.runtime import WorkerDevice
 from lightning_roundpipe.runtime.flight import HostWrites
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 
 
 class Fault:

@@ -178,7 +178,7 @@ def test_sixteen_mixed_asynchronous_equals_the_staleness_one_reference_with_a_gr
 
     from lightning_roundpipe.engine import PipelineEngine
     from lightning_roundpipe.runtime import WorkerDevice
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
 
     base = nn.Sequential(*list(mlp().children())[:2], Spike(), *list(mlp().children())[2:])
     g = torch.Generator().manual_seed(5)
@@ -281,7 +281,7 @@ def test_bf16_true_asynchronous_equals_the_staleness_one_reference_in_bf16():
 
     from lightning_roundpipe.engine import PipelineEngine
     from lightning_roundpipe.runtime import WorkerDevice
-    from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+    from lightning_roundpipe.runtime.updates import UpdateSpec
 
     model = mlp().to(torch.bfloat16)
     data = [[(x.bfloat16(), y.bfloat16()) for x, y in step] for step in batches(5)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
+from lightning_roundpipe.runtime.updates import UpdateSpec
 from lightning_roundpipe.schedule import StagePlan
 
 PLAN = StagePlan.parse("2,2,1|2,1,2,2")

@@ -19,8 +19,8 @@ from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.host_optimizer import check_coupling
 from lightning_roundpipe.runtime import WorkerDevice
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.shadow import GroupSync, _apart_for, shadow_optimizer, steps_apart
+from lightning_roundpipe.runtime.updates import UpdateSpec
 
 
 def _params() -> list[nn.Parameter]:

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.collector import GradCollector
 from lightning_roundpipe.runtime.device import WorkerDevice
 from lightning_roundpipe.runtime.executor import StageExecutor
@@ -208,6 +209,29 @@ class Crew:
         error = self.error
         assert error is not None
         raise error
+
+    def after_failure(self, step: int) -> bool:
+        """After a failure, with no thread running: what the steps changed in the optimizer's groups, and the device's
+        values (states on the device), on the host, for a checkpoint of whole steps. ``False``: no failure."""
+        if not self.failed or self.optimizer is None:
+            return False
+        self.optimizer.groups_to_host()
+        if self.optimizer.resident is not None:
+            self.optimizer.resident.rescue(step)
+        return True
+
+    def whole_after_failure(self) -> bool:
+        """Whether a checkpoint may be written: no failure, or one after which every submitted update reached the
+        masters whole (Lightning's step count then matches them); a warning says why not."""
+        if not self.failed or self.optimizer is None or self.optimizer.all_updated():
+            return True
+        warnings.warn(
+            "roundpipe: no checkpoint written after the failure: the update of the last step did not finish (its"
+            " gradients were cut short), so the weights hold fewer steps than Lightning counted; resume from an"
+            " earlier checkpoint",
+            stacklevel=outside_package(),
+        )
+        return False
 
     def reset(self) -> None:
         """Ready again after a batch was given up (no thread runs it any more)."""

@@ -39,9 +39,9 @@ from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.microbatch import Reduction, Split, samples_of
-from lightning_roundpipe.runtime.optimizer_worker import UpdateSpec
 from lightning_roundpipe.runtime.placement import OPTIMIZER_PLACES, place_states
 from lightning_roundpipe.runtime.profile import records_complete
+from lightning_roundpipe.runtime.updates import UpdateSpec
 from lightning_roundpipe.runtime.workers import PipelineAborted
 from lightning_roundpipe.schedule import OVERLAPS, Overlap, StagePlan
 
@@ -109,9 +109,7 @@ class PipelineEngine:
         )  # fmt: skip
         self.store = HostStore(self.layers, compute_dtype, separate_compute=asynchronous)
         eligible = asynchronous and consistency == "layerwise" and autocast_dtype != torch.float16  # (fp16: scaled)
-        self.resident = place_states(
-            optimizer_on, self.store, self.devices, eligible, memory_limit, self.planner.transfers
-        )
+        self.resident = place_states(optimizer_on, self.store, devices, eligible, memory_limit, self.planner.transfers)
         if self.resident is not None:  # the states on the device, the plan's stages under what is left
             self.planner.memory_limit = self.resident.plan_limit(memory_limit)
         self.base_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
@@ -136,10 +134,8 @@ class PipelineEngine:
         self.stats = StepStats(self.num_workers)
         self.caches = CacheWatch(self.devices, self.planner, self.store, ceiling=memory_limit)  # states included
         self.crew.use_resident(self.resident)
-        self.dispatch_position = 0
-        """Worker the next batch's first slot goes to."""
-        self.calls = 0
-        """Batches run so far; part of every layer's random seed."""
+        self.dispatch_position = 0  # the worker the next batch's first slot goes to
+        self.calls = 0  # batches run so far: part of every layer's random seed
         self._recording: list[Flight] = []
 
     @property
@@ -276,7 +272,10 @@ class PipelineEngine:
 
     def flush(self) -> None:
         """Wait until every batch's gradients are collected and every submitted update reached the
-        masters (checkpoints, validation and teardown need this). Casts for the next step may remain."""
+        masters (checkpoints, validation and teardown need this). Casts for the next step may remain.
+        After a failure (no thread runs): the device's values to the host, for a checkpoint of whole steps."""
+        if self.crew.after_failure(self.steps.step):
+            return
         self.crew.wait_live()
         self.crew.drain()
         if self.crew.optimizer is not None:
@@ -318,8 +317,9 @@ class PipelineEngine:
     def state_dict(self) -> dict[str, Any]:
         """What resuming exactly needs besides the weights and the optimizer (:mod:`.state`)."""
         self.flush()
-        self.steps.settle_early_casts()
-        return engine_state(self)
+        if not self.crew.failed:  # (after one the pending update may be cast in part: the next step reads the masters)
+            self.steps.settle_early_casts()
+        return engine_state(self, compute=not self.crew.failed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where :meth:`state_dict` left off: on a new engine, before its first batch."""

@@ -13,7 +13,8 @@ from typing import Any
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
-from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker, StepWindow, UpdateJob, UpdateSpec
+from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
+from lightning_roundpipe.runtime.updates import StepWindow, UpdateJob, UpdateSpec
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
 from lightning_roundpipe.schedule.dispatch import Schedule
 from lightning_roundpipe.schedule.plan import StagePlan

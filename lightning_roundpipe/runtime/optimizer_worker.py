@@ -23,13 +23,12 @@ ones) and its own ``param_groups``, which take what the main thread changed at e
 from __future__ import annotations
 
 import collections
-import copy
 import math
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -39,81 +38,11 @@ from torch import nn
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
 from lightning_roundpipe.runtime.shadow import GroupSync, shadow_optimizer, steps_apart
-from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
+from lightning_roundpipe.runtime.updates import UpdateJob
+from lightning_roundpipe.runtime.workers import PipelineAborted
 
 if TYPE_CHECKING:
     from lightning_roundpipe.runtime.resident import ResidentStates
-
-
-@dataclass
-class UpdateSpec:
-    """What the strategy captures on the main thread when it submits a step."""
-
-    optimizer: torch.optim.Optimizer
-    hyperparameters: list[dict[str, Any]]
-    """Per parameter group, everything but ``params`` (LR and friends as of submission)."""
-    clip_value: float | None = None
-    clip_algorithm: str = "norm"
-    measure_norm: bool = False
-    """Compute the gradients' global 2-norm (before clipping) even when not clipping by norm."""
-    scaler: torch.amp.GradScaler | None = None
-    """``precision="16-mixed"``: the scaler whose scale and growth tracker this update advances."""
-    loss_scale: float = 1.0
-    """The loss scale the step's batches multiplied their loss by (what its gradients are divided by)."""
-
-    @classmethod
-    def capture(
-        cls,
-        optimizer: Any,
-        clip_value: float | None = None,
-        clip_algorithm: str = "norm",
-        measure_norm: bool = False,
-        scaler: torch.amp.GradScaler | None = None,
-        loss_scale: float = 1.0,
-    ) -> UpdateSpec:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
-        hyper = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return cls(
-            optimizer, hyper, clip_value or None, str(clip_algorithm or "norm"), measure_norm, scaler, loss_scale
-        )
-
-
-class StepWindow:
-    """The flights of one optimizer step, known completely once the window is closed."""
-
-    def __init__(self, abort: threading.Event) -> None:
-        self.flights: list[Any] = []
-        self.closed = Gate(abort)
-
-
-@dataclass
-class UpdateJob:
-    step: int
-    spec: UpdateSpec | None
-    """``None``: no math, only the cast (a resumed run's pending cast of the update saved with it)."""
-    groups: tuple[int, ...]
-    """Trainable groups in update order (deep layers first: the order the next backward needs them)."""
-    grads_complete: dict[int, Gate]
-    consumed: dict[int, Gate]
-    cast_done: dict[int, Gate]
-    next_window: StepWindow
-    cast: bool = True
-    """``False``: the engine casts this update itself at the next step's barrier (the blocking variant)."""
-    window: StepWindow | None = None
-    """This step's batches (``None``: none, e.g. a resumed run's pending cast): with double buffering,
-    the last ones to read the compute copy the cast overwrites."""
-    math_done: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
-
-    def wait_gradient(self, g: int) -> None:
-        """Wait until group ``g``'s gradient of the step is complete. After an abort (a failure in the next
-        batch) go on where every gradient of the step had landed: the update then finishes, and the weights
-        after a failure are whole steps, not some layers one update behind the rest."""
-        try:
-            self.grads_complete[g].wait()
-        except PipelineAborted:
-            if not all(gate.happened() for gate in self.grads_complete.values()):
-                raise
 
 
 class OptimizerWorker:
@@ -141,6 +70,9 @@ class OptimizerWorker:
         grown after ``growth_interval`` finite steps), as :meth:`scale_after` hands it to later steps."""
         self._decided: dict[int, threading.Event] = {}
         self._decided_lock = threading.Lock()
+        self.updated: int | None = None
+        """The step of the last update whose math finished whole (a skipped one counts): after a failure, whether
+        the masters hold every submitted update."""
         self.cut_short: tuple[int, int] | None = None
         """(groups updated, groups) of an update an abort stopped midway (its gradients incomplete: a failure in
         its own step's backward, after the deep groups' update began): the weights then mix two steps."""
@@ -162,6 +94,10 @@ class OptimizerWorker:
         if self._last is not None:
             self._last.math_done.wait()
         self.groups_to_host()
+
+    def all_updated(self) -> bool:
+        """Whether every submitted update's math finished whole (none cut short by a failure)."""
+        return self._last is None or self.updated == self._last.step
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job finished, casts included."""
@@ -227,9 +163,11 @@ class OptimizerWorker:
             for g in resident.held.intersection(job.cast_done):
                 job.cast_done[g].set()
             if not groups:
+                self.updated = job.step
                 return
         elif job.spec is not None:
             self._math(job)
+        self.updated = job.step
         job.math_done.set()
         if not job.cast:
             return
