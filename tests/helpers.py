@@ -13,6 +13,29 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_roundpipe
 
 
+class BackwardHook(nn.Module):
+    """The identity, whose backward first calls ``hook(grad)``: a failure injected into a layer's backward."""
+
+    def __init__(self, hook: Any) -> None:
+        super().__init__()
+        self.hook = lambda grad: hook(grad)  # (a function: the engine's copies of the layer call the same hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Hooked.apply(x, self.hook)
+
+
+class _Hooked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, hook: Any) -> torch.Tensor:
+        ctx.hook = hook
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.hook(grad)
+        return grad, None
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 

@@ -514,21 +514,17 @@ class _FailingLoss:
         """``counted``: the backward fails only once Lightning counted the batch's step (its update submitted)."""
 
     def module(self):
-        from helpers import BoringPipeline
+        from helpers import BackwardHook, BoringPipeline
 
         import lightning_roundpipe
 
         failing = self
 
-        class Gate(nn.Module):
-            def forward(self, x):
-                return failing.gate(x)
-
         class Failing(BoringPipeline):
             def __init__(self):
                 super().__init__()
                 if failing.counted:  # (a layer's backward runs after train_batch returned, the loss's before)
-                    self.model.insert(1, Gate())
+                    self.model.insert(1, BackwardHook(failing.backward))
 
             def training_step(self, batch, batch_idx):
                 x, y = batch
@@ -538,32 +534,20 @@ class _FailingLoss:
                     if failing.where == "loss" and batch_idx == failing.at:
                         engine.crew.optimizer.wait_math()  # the update of the step before finished
                         raise RuntimeError("the loss failed")
-                    return F.mse_loss(out if failing.counted else failing.gate(out), target)
+                    return F.mse_loss(out if failing.counted else BackwardHook(failing.backward)(out), target)
 
                 return lightning_roundpipe.pipeline_loss(self.model, x, y, loss)
 
         return Failing()
 
-    def gate(self, out: torch.Tensor) -> torch.Tensor:
-        failing = self
-
-        class Backward(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, grad):
-                failing.rows += grad.shape[0]
-                if failing.where == "backward" and failing.rows > failing.at * 12:  # (12 rows a batch, layer 1)
-                    deadline = time.monotonic() + 5.0
-                    while failing.counted and failing.engine.steps.step <= failing.at:
-                        assert time.monotonic() < deadline, "the step was never counted"
-                        time.sleep(0.005)
-                    raise RuntimeError("a backward failed")
-                return grad
-
-        return Backward.apply(out)
+    def backward(self, grad: torch.Tensor) -> None:
+        self.rows += grad.shape[0]
+        if self.where == "backward" and self.rows > self.at * 12:  # (12 rows a batch)
+            deadline = time.monotonic() + 5.0
+            while self.counted and self.engine.steps.step <= self.at:
+                assert time.monotonic() < deadline, "the step was never counted"
+                time.sleep(0.005)
+            raise RuntimeError("a backward failed")
 
 
 def _checkpoints(tmp_path, failing: _FailingLoss | None):

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import BackwardHook
 from test_async import batches, make_optimizer, mlp, run_async, staleness_one_reference
-from torch import nn
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice
@@ -780,27 +780,17 @@ def test_a_failure_in_the_next_batch_lets_the_update_whose_gradients_landed_fini
     assert (got - want).norm() <= 1e-5 * want.norm()
 
 
-class _FailsBackward(torch.autograd.Function):
-    """The identity, whose backward fails in the fourth batch once its update began on the deep groups."""
+class _FailsBackward:
+    """A backward that fails in the fourth batch once its update began on the deep groups."""
 
-    rows, trace = 0, None
+    def __init__(self, trace: list) -> None:
+        self.rows, self.trace = 0, trace
 
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _FailsBackward.rows += grad.shape[0]
-        if _FailsBackward.rows > 3 * 12:  # (12 rows a batch)
-            _update_began(_FailsBackward.trace, 3)
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.rows += grad.shape[0]
+        if self.rows > 3 * 12:  # (12 rows a batch)
+            _update_began(self.trace, 3)
             raise RuntimeError("a backward failed")
-        return grad
-
-
-class _Identity(nn.Module):
-    def forward(self, x):
-        return _FailsBackward.apply(x)
 
 
 @pytest.mark.timeout(60)
@@ -810,17 +800,14 @@ def test_a_failure_in_a_backward_after_its_update_began_warns_that_the_weights_m
     failure there leaves the deep groups updated and the shallow ones not. That cannot be undone, so it is said.
     (On the host with one copy of the weights, an update starts only after the previous one's casts, which wait
     for the last read of each group, in the backward: double buffering lets it start sooner.)"""
-    model, data = mlp(), batches(5)
+    model, data, failing = mlp(), batches(5), _FailsBackward([])
     layers = list(model.children())
     engine = PipelineEngine(
-        [layers[0], _Identity(), *layers[1:]],
-        [WorkerDevice("cpu")],
-        asynchronous=True,
-        optimizer_on=place,
-        double_buffer=place == "host",
-    )
+        [layers[0], BackwardHook(failing), *layers[1:]], [WorkerDevice("cpu")], asynchronous=True,
+        optimizer_on=place, double_buffer=place == "host",
+    )  # fmt: skip
     opt = make_optimizer(model.parameters())
-    _FailsBackward.rows, _FailsBackward.trace = 0, engine.crew.record_trace()
+    failing.trace = engine.crew.record_trace()
     try:
         mixed = r"stopped an update after [123] of its 4 parameter groups"
         with pytest.raises(RuntimeError, match="a backward failed"), pytest.warns(UserWarning, match=mixed):
