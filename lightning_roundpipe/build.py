@@ -124,6 +124,7 @@ def build_again(engine: PipelineEngine, arguments: EngineArguments) -> PipelineE
     changed = engine.store.changed_trainable()
     if not changed or arguments.num_nodes > 1 or not engine.steps.between_steps():
         return engine
+    engine.crew.check_usable()  # (after a failure the flush would not say so)
     engine.flush()
     state = engine_state(engine, compute=False)  # (the new engine computes on the latest weights)
     carried = {k: state[k] for k in ("calls", "step", "dispatch_position", "base_seed", "loss_scales") if k in state}
@@ -154,6 +155,7 @@ def build_placed(
         with unchanged(planner):  # (the running plan's costs: what the state saves)
             if held >= STATES_MOST * limit or planner.plan_for_memory(store, limit - held) is None:
                 return None  # (past STATES_MOST the engine built with them would refuse them)
+    engine.crew.check_usable()  # (after a failure the flush would not say so)
     with _timed(seconds, "flush"):
         engine.flush()
     with _timed(seconds, "state"):

@@ -817,3 +817,36 @@ def test_a_failure_in_a_backward_after_its_update_began_warns_that_the_weights_m
             engine.flush()
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_given_up_before_dispatch_lets_the_running_update_finish_before_a_save(monkeypatch):
+    """A failure between building a batch and dispatching it (staging, Ctrl-C) marks the engine failed without a
+    worker error: it stops the threads as any failure does, so the update running beside it finishes before a
+    checkpoint reads the weights (it was still running, and the save refused or read half an update)."""
+    from lightning_roundpipe.runtime.flight import Flight
+
+    model, data = mlp(), batches(5)
+    want = staleness_one_reference(model, data[:4])
+    opt = _SlowAdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True)
+    trace = engine.crew.record_trace()
+    try:
+        for (x, y), *_ in data[:4]:
+            engine.train_batch(x, y, F.mse_loss)
+            engine.submit_step(UpdateSpec.capture(opt))
+        _update_began(trace, 3)
+
+        def put(*args, **kwargs):
+            raise RuntimeError("staging failed")
+
+        monkeypatch.setattr(Flight, "put", put)
+        with pytest.raises(RuntimeError, match="staging failed"):
+            engine.train_batch(*data[4][0], F.mse_loss)
+        assert engine.crew.failed and engine.crew.whole_after_failure()
+        state = engine.state_dict()  # what Lightning's OnExceptionCheckpoint saves with the weights
+        assert "compute" not in state and state["step"] == 4
+        got = _flat(model)
+    finally:
+        engine.close()
+    assert (got - want).norm() <= 1e-5 * want.norm()

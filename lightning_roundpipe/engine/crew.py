@@ -182,10 +182,9 @@ class Crew:
             for opener in self._on_abort:
                 opener()
 
-    def fail(self) -> NoReturn:
-        """Stop everything after an error and raise it; the engine is not reusable, but the process is not
-        stuck and no thread keeps running. An update whose gradients had all landed finishes first (a few
-        host steps' time allowed); one whose gradients were incomplete may have been cut short, said here."""
+    def stop(self) -> None:
+        """After an error: stop every thread and wait for them, without raising. An update whose gradients had all
+        landed finishes first (a few host steps' time allowed); one cut short midway, or still running, is said."""
         self.on_error(RuntimeError("aborted"))
         self.wait_live(timeout=30.0)
         self.drain()
@@ -196,25 +195,33 @@ class Crew:
                 warnings.warn(
                     f"roundpipe: the update under way at the failure was still running {timeout:.0f} s later; the"
                     " module's weights may change until it ends",
-                    stacklevel=2,
+                    stacklevel=outside_package(),
                 )
             elif (cut := self.optimizer.cut_short) is not None:
                 warnings.warn(
                     f"roundpipe: the failure stopped an update after {cut[0]} of its {cut[1]} parameter groups (the"
                     " step's gradients were incomplete): the module's weights now mix two steps; do not resume"
                     " from them, but from an earlier checkpoint",
-                    stacklevel=2,
+                    stacklevel=outside_package(),
                 )
         self.failed = True
+
+    def fail(self) -> NoReturn:
+        """Stop everything after an error (:meth:`stop`) and raise it; the engine is not reusable, but the process
+        is not stuck and no thread keeps running."""
+        self.stop()
         error = self.error
         assert error is not None
         raise error
 
     def after_failure(self, step: int) -> bool:
         """After a failure, with no thread running: what the steps changed in the optimizer's groups, and the device's
-        values (states on the device), on the host, for a checkpoint of whole steps. ``False``: no failure."""
-        if not self.failed or self.optimizer is None:
+        values (states on the device), on the host, for a checkpoint of whole steps. ``False``: no failure, or one
+        on several nodes (the flush then raises it again: a save would gather from nodes that may not have failed)."""
+        if not self.failed or self.optimizer is None or self.optimizer.exchange is not None:
             return False
+        if not self.optimizer.wait_all(timeout=0):  # (its thread still runs: the save is refused below)
+            return True
         self.optimizer.groups_to_host()
         if self.optimizer.resident is not None:
             self.optimizer.resident.rescue(step)
@@ -223,12 +230,13 @@ class Crew:
     def whole_after_failure(self) -> bool:
         """Whether a checkpoint may be written: no failure, or one after which every submitted update reached the
         masters whole (Lightning's step count then matches them); a warning says why not."""
-        if not self.failed or self.optimizer is None or self.optimizer.all_updated():
+        optimizer = self.optimizer
+        if not self.failed or optimizer is None or (optimizer.wait_all(timeout=0) and optimizer.all_updated()):
             return True
+        why = "still runs" if not optimizer.wait_all(timeout=0) else "did not finish (the failure cut it short)"
         warnings.warn(
-            "roundpipe: no checkpoint written after the failure: the update of the last step did not finish (its"
-            " gradients were cut short), so the weights hold fewer steps than Lightning counted; resume from an"
-            " earlier checkpoint",
+            f"roundpipe: no checkpoint written after the failure: the update of the last step Lightning counted {why},"
+            " so the weights do not hold the steps it counted; resume from an earlier checkpoint",
             stacklevel=outside_package(),
         )
         return False

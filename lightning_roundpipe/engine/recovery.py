@@ -70,7 +70,7 @@ class Recovery:
         if not self.asynchronous:
             self.drop(flight)
         else:
-            self.crew.failed = True
+            self.crew.stop()
 
     def drop(self, flight: Flight) -> None:
         """Synchronous mode, after a failed batch, once every worker stopped: drop its partial gradients
@@ -157,7 +157,7 @@ class Recovery:
                 raise error
             why_not = f"the gradients of groups {sorted(stuck)} were added to earlier batches' gradients"
         if recover is None:
-            self.crew.failed = True
+            self.crew.stop()
         else:
             recover(flight)
         error.add_note(
