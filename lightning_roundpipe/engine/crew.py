@@ -231,9 +231,12 @@ class Crew:
         """Whether a checkpoint may be written: no failure, or one after which every submitted update reached the
         masters whole (Lightning's step count then matches them); a warning says why not."""
         optimizer = self.optimizer
-        if not self.failed or optimizer is None or (optimizer.wait_all(timeout=0) and optimizer.all_updated()):
+        if not self.failed or optimizer is None:
             return True
-        why = "still runs" if not optimizer.wait_all(timeout=0) else "did not finish (the failure cut it short)"
+        running = not optimizer.wait_all(timeout=0)
+        if not running and optimizer.all_updated():
+            return True
+        why = "still runs" if running else "did not finish (the failure cut it short)"
         warnings.warn(
             f"roundpipe: no checkpoint written after the failure: the update of the last step Lightning counted {why},"
             " so the weights do not hold the steps it counted; resume from an earlier checkpoint",

@@ -295,15 +295,13 @@ class ResidentStates:
 
     def host_changed(self) -> bool:
         """Whether the host holds masters or states the device has not taken (always before the first batch)."""
-        with self._viewing:  # (not ahead: every copy to the host landed; an edit since shows in the samples)
+        with self._viewing:  # (the samples: edits through p.data, which move no version counter)
             return self._samples.edited or self._host_view() != self._seen or self._samples.look(self._mirrored)
 
     def edited(self) -> bool:
         """Whether the host's masters or states changed since the device's updates began leading them: a user's
         edit during training (a callback clipping or masking the weights), which the next flush replaces."""
-        with self._viewing:
-            ahead = bool(self._ahead and self.master)
-            return ahead and (self._samples.look(self._mirrored) or self._host_view() != self._seen)
+        return self._ahead and bool(self.master) and self.host_changed()
 
     def to_host(self, step: int) -> None:
         """After a flush: the masters, the optimizer's states and the copy step ``step`` reads, on the host."""
