@@ -4,7 +4,7 @@
 # pick the steps that fit, e.g.
 #   bash benchmarks/gpu_checks.sh tests soak bubble        # one GPU, about 8 minutes on an H200
 #   bash benchmarks/gpu_checks.sh tests pcie scaling-1.7b  # a machine with several GPUs
-# Steps: tests tests-compile soak bubble bubble-planners bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
+# Steps: tests tests-engine tests-compile soak bubble bubble-planners bubble-all bubble-all-db(f) moe throughput-mem pcie scaling-1.7b scaling-1.7b-db(f)
 #        scaling-1.7b-mb4 scaling-4b ds-setup baselines-1.7b (after ds-setup, in the same call)
 #        maxseq-1 maxseq-all maxseq-all-gm0.65 oom-snapshot     (-db: double_buffer='all', -dbf: 'first')
 #        baselines-24gib baselines-24gib-zero (after ds-setup) baselines-4b baselines-4b-zero (after ds-setup)
@@ -49,6 +49,8 @@
 #        varlen-8-switch (issue 39: the interpreter's switch interval at 0.5 ms in training)
 #        host-contention (issue 39: the host step's parts beside a step's other host work; blocking CUDA events)
 #        reserve-24gib (issue 39: the allocator's reserve at 24 GiB by the stream that holds it)
+#        uppool-24gib uppool-fixed (issue 39: the weights' buffers from compute's pool against the uploads' own;
+#        UPPOOL_CONFIGS=... picks the configurations)
 #        liger-profile (issue 41: plain-liger's speed)
 #        headline headline-24gib headline-zero headline-zero-24gib (issue 41: the README's comparison; -zero after ds-setup
 #        and ds-wait, in the same call or a later one on the warm machine)
@@ -78,6 +80,10 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     tests) run gpu-tests 420 python -m pytest -q -s -p no:cacheprovider -m gpu tests/ --ignore=tests/test_compile.py ;;
+    tests-engine)  # the GPU tests of the engine's numerics and streams alone (the full list: tests), about 60 s
+      run gpu-tests-engine 200 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_gpu.py -k "fp32 or \
+        sharing or bf16 or async or optimizer_on_the_gpu or same_seed or out_of_memory or forward_only or tail \
+        or lightning_on_gpu or edit_between" ;;
     tests-qlora) run gpu-tests-qlora 60 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_qlora.py ;;
     tests-compile)  # Inductor compiles of every dense family, about 25 s a test cold: 13 took just over 300 s (2026-12-03)
       run gpu-tests-compile 420 python -m pytest -q -s -p no:cacheprovider -m gpu tests/test_compile.py ;;
@@ -361,6 +367,25 @@ for step in "${steps[@]}"; do
       # in-use bytes at the high, summing to the 5 GiB. About 200 s
       run reserve-24gib 260 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer --warmup 20 --steps 6 --config-timeout 220 --out "$OUT/reserve-24gib.json" ;;
+    uppool-24gib)  # issue 39: the weights' device buffers from the compute stream's pool (2026-12-07), against
+      # the uploads' own pool as before (newcomer-uppool) and without the next batch's first buffers taken ahead
+      # (newcomer-noahead), 24 GiB, 8 a step. First run (H100, 2026-12-07): uppool 21,817 tokens/s, NVML 21.60,
+      # torch's peak 15.0; the defaults 20,679, 21.81, 17.68 (three slots' weights at once: the next slot's taken
+      # before a run while the slot before was held to its unload). With the weights released after their run's
+      # last compute and every buffer from compute's pool, expected: the defaults' torch peak near 15-16 GiB,
+      # NVML under 20.6, param_up's reserve near 0, tokens/s within 3% of uppool's. About 260 s
+      run uppool-24gib 330 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs "${UPPOOL_CONFIGS:-newcomer-uppool,newcomer-noahead,newcomer}" --warmup 20 --steps 6 \
+        --config-timeout 220 --out "$OUT/uppool-24gib.json" ;;
+    uppool-fixed)  # the same three on fixed 32 x 2048, full card, where the uploads are not hidden behind a host
+      # step: the batch's first upload overlapping the previous batch's last run is what noahead keeps and the
+      # defaults keep by taking its buffers ahead. First run: 48,645 / 48,695 / 48,406, NVML 59.43 / 59.42 / 62.63
+      # (the first batch's buffers left in param_up's pool). Expected now: the defaults' NVML near uppool's and
+      # within 1% of its tokens/s; noahead slower by up to the first upload (3.2 GiB at 50 GB/s a 1.35 s step: 5%).
+      # About 245 s
+      run uppool-fixed 300 python benchmarks/lightning_user.py \
+        --configs "${UPPOOL_CONFIGS:-newcomer-uppool,newcomer-noahead,newcomer}" --warmup 8 --steps 6 \
+        --config-timeout 110 --out "$OUT/uppool-fixed.json" ;;
     memory-24gib-fixed)  # the same two on fixed 32 x 2048 at 24 GiB (39-40k once settled, NVML 25.1-25.4 GiB during
       # CacheWatch's trial in earlier sessions): not slower is the ask. About 300-420 s
       run fixed-32-24gib-memory 460 python benchmarks/lightning_user.py --gpu-gib 24 \

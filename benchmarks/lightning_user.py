@@ -41,6 +41,11 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-nomirror``: the defaults without the copy of each update's fp32 masters to the host's (4 bytes a
   parameter device to host, since 2026-12-07, so that the module's weights move during training as on the host
   path): what that copy costs where the states are on the GPU (an experiment; the module then sits at the last flush);
+- ``newcomer-uppool``: the defaults with the weights' device buffers taken from the uploads' own stream's pool, as
+  before 2026-12-07 (``WeightUploads.from_compute_pool`` off): what one pool shared with the compute saves in the
+  allocator's reserve (NVML), and what it costs; ``newcomer-noahead``: the defaults, but each batch's first upload's
+  buffers taken from compute's pool when it starts, after all compute issued before (``WeightUploads.take_ahead``
+  off), not in the batch before;
 - ``newcomer-autoshare``: the defaults with ``ShareSwitch.automatic`` on (off by default since 2026-12-07): ``"auto"``
   moves a share of the states to the GPU where the host bounds the step, on trial (set in the configuration's own
   process: a setting in the parent's is not seen);
@@ -463,6 +468,8 @@ def strategy_for(
         "newcomer-blocking",
         "newcomer-keepcache",
         "newcomer-nomirror",
+        "newcomer-uppool",
+        "newcomer-noahead",
         "newcomer-whole",
         "newcomer-autoshare",
         "newcomer-nowhole",
@@ -507,7 +514,8 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
-        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-whole, newcomer-nowhole, newcomer-autoshare,"
+        " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-uppool, newcomer-noahead, newcomer-whole,"
+        " newcomer-nowhole, newcomer-autoshare,"
         " newcomer-devopt,"
         " newcomer-hostopt,"
         " newcomer-noop, newcomer-bnb8, newcomer-bnb8-device, newcomer-skipF-gmG, newcomer-shareF,"
@@ -719,6 +727,13 @@ def experiment(config: str) -> Iterator[None]:
         from lightning_roundpipe.engine.cache import CacheWatch
 
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
+            yield
+        return
+    if config in ("newcomer-uppool", "newcomer-noahead"):  # the weights' device buffers from the uploads' own pool
+        from lightning_roundpipe.runtime.uploads import WeightUploads
+
+        switch = "from_compute_pool" if config == "newcomer-uppool" else "take_ahead"
+        with mock.patch.object(WeightUploads, switch, False):
             yield
         return
     if config == "newcomer-nomirror":  # the device's masters not copied to the host's after each update

@@ -137,6 +137,7 @@ class StageExecutor:
         host (the synchronous mode; the asynchronous one goes straight on to the next batch)."""
         self._replicas.apply(attributes)
         self._slots.use_plan(flight.schedule.plan)
+        self._uploads.begin(actions, flight)
         self._unloads.tail = None
         self._unloads.staging_cap = 2 * self._slots.largest_gradients() if settle else None
         if settle and self.add_tail_on_device and not flight.evaluating:
@@ -146,11 +147,13 @@ class StageExecutor:
         if self._idle_since is not None:
             flight.waited("launch", self._idle_since)
         try:
-            for action in actions:
+            for i, action in enumerate(actions):
                 if flight.abort.is_set():
                     raise PipelineAborted
                 try:
+                    self._uploads.reserve(i, flight)
                     self._run(action, flight)
+                    self._uploads.computed(i)
                 except PipelineAborted:
                     raise
                 except BaseException as e:
@@ -170,10 +173,10 @@ class StageExecutor:
                 for gate in self._unloads.collecting:
                     gate.wait()
         except PipelineAborted:
-            settle = True
+            settle, self._uploads.ahead = True, None
             raise
         except BaseException as e:
-            settle = True
+            settle, self._uploads.ahead = True, None
             self._on_error(e)  # abort the others now, before waiting for the collector below
             raise
         finally:

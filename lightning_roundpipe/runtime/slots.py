@@ -29,6 +29,8 @@ class LoadedSlot:
     flats: dict[int, Tensor]
     ready: Any = None
     """Event after the last upload part; compute waits for it once."""
+    taken: Any = None
+    """Buffers from the compute stream's pool: the event on it after which the upload may write them."""
     tensors: dict[int, dict[str, Tensor]] | None = None
     """Per layer, the named tensors handed to ``functional_call``; built at the slot's first compute."""
     grads: dict[int, Tensor] = field(default_factory=dict)
@@ -72,6 +74,21 @@ class WorkerSlots:
             self._tables[plan] = (stages, set(plan.saved_boundaries()), groups, trainable, {})
         self.plan = plan
         self.stages, self.saved, self.groups, self.trainable, self._pieces = self._tables[plan]
+
+    def drop(self, key: tuple[int, int]) -> None:
+        """Forget a slot: its device copy goes back to the allocator (:meth:`release`)."""
+        self.release(key)
+        del self.loaded[key]
+
+    def release(self, key: tuple[int, int]) -> None:
+        """Give a slot's weight buffers back while its gradients stay. Buffers from the compute stream's pool go
+        back to it at once, so where compute never read them (every micro-batch of the run skipped: a zero loss
+        weight, no gradient in) compute first waits for their upload, which may still be queued."""
+        loaded = self.loaded[key]
+        if loaded.flats and loaded.tensors is None and loaded.taken is not None:
+            dev = self.device
+            dev.wait(dev.compute, loaded.ready if loaded.ready is not None else dev.record(dev.param_up))
+        loaded.flats, loaded.tensors = {}, None
 
     def largest_gradients(self) -> int:
         """Bytes of the largest slot's gradients on the device (in the compute copies' dtype)."""

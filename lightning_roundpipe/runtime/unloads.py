@@ -49,7 +49,7 @@ class GradientUnloads:
         loaded = self.slots.loaded[key]
         if not stage.has_gradients or flight.evaluating:
             if action.is_last_part:
-                del self.slots.loaded[key]  # the allocator frees it after the compute stream is done with it
+                self.slots.drop(key)  # the allocator frees it after the compute stream is done with it
             return
         resident = self.slots.resident
         if resident is not None and resident.whole:
@@ -106,7 +106,7 @@ class GradientUnloads:
             for source, _ in loaded.downloads.values():
                 dev.keep_alive(source, dev.grad_down)
             unwritten = [] if loaded.backward_ran else sorted(set(overwrite) - held)  # no gradient reached them
-            del self.slots.loaded[key]  # from here the collector owns its staging buffers
+            self.slots.drop(key)  # from here the collector owns its staging buffers
             landed = partial(flight.host_writes.slot_landed, key)
             self.collector.submit(GradJob(loaded.staging, copied, waits, done, unwritten, landed))
             self.collecting.append(done)
@@ -124,7 +124,7 @@ class GradientUnloads:
             self._write_resident(self.slots.trainable[stage.slot], flight, loaded, key)
         if action.is_last_part:
             copied = dev.record(dev.grad_down)
-            del self.slots.loaded[key]
+            self.slots.drop(key)
             self.collector.submit(GradJob({}, copied, waits, done))
             self.collecting.append(done)
             if self.overlap == "none":
