@@ -86,6 +86,20 @@ def test_reservations_take_each_later_upload_before_the_run_it_overlaps():
             assert actions.index(next(a for a in actions if (a.round, a.slot) == later)) > i
 
 
+def test_the_slot_taken_ahead_is_the_one_each_worker_uploads_first_in_the_next_batch():
+    from lightning_roundpipe.schedule.build import batch_schedule
+
+    for plan in ("|1", "1|2,1", "2,1|2,2,1"):
+        for workers in range(1, 6):
+            for rounds in (1, 2, 3):
+                stages = StagePlan.parse(plan)
+                now = batch_schedule(stages, workers, workers, rounds, workers - 1, "priority")
+                after = batch_schedule(stages, workers, workers, rounds, now.next_first_worker, "priority")
+                for w, actions in enumerate(after.workers):
+                    first = next((a.slot for a in actions if a.op.name == "LOAD"), None)
+                    assert uploads_module.next_first_slot(w, now) == first, (plan, workers, rounds, w)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("from_compute", "ahead"), [(True, True), (True, False), (False, False)])
 def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(monkeypatch, from_compute, ahead):

@@ -80,9 +80,7 @@ class WeightUploads:
             buffers = self._buffers(key[1], flight, dev.compute)
             self.slots.loaded[key] = self._slot(key[1], flight, buffers, dev.record(dev.compute))
         if index == self.ahead_at:
-            schedule, slots = flight.schedule, flight.schedule.plan.num_slots
-            firsts = ((self._worker - schedule.next_first_worker - r * slots) % schedule.num_workers for r in range(8))
-            slot = next((s for s in firsts if s < slots), None)  # this worker's first slot if the dispatch stays
+            slot = next_first_slot(self._worker, flight.schedule)
             self.ahead = None if slot is None else (self._buffers(slot, flight, dev.compute), dev.record(dev.compute))
 
     def computed(self, index: int) -> None:
@@ -156,6 +154,17 @@ class WeightUploads:
                 flight.first_upload.append(dev.timer(dev.param_up))
             for g in self.slots.trainable[stage.slot]:  # edge 1: after the flight's last, the cast may overwrite
                 flight.mark_uploaded(g, loaded.ready)
+
+
+def next_first_slot(worker: int, schedule: Any) -> int | None:
+    """The slot ``worker`` runs first in the batch after ``schedule``'s if plan, counts and dispatch stay (slot ``s``
+    of round ``r`` runs on worker ``(first + r * slots + s) mod workers``); ``None``: it runs none."""
+    slots, workers = schedule.plan.num_slots, schedule.num_workers
+    for r in range(schedule.num_rounds):
+        slot = (worker - schedule.next_first_worker - r * slots) % workers
+        if slot < slots:
+            return slot
+    return None
 
 
 def run_openers(actions: Sequence[Action]) -> list[int]:
