@@ -27,6 +27,12 @@ class Event:
     stream: str
     at: int
 
+    def synchronize(self) -> None:  # (the CPU stand-in's work is done when issued)
+        pass
+
+    def query(self) -> bool:
+        return True
+
 
 class Streams(WorkerDevice):
     """A CPU worker with named streams that logs, in issue order, what it is asked to order and allocate."""
@@ -72,18 +78,17 @@ def test_reservations_take_each_later_upload_before_the_run_it_overlaps():
     text = [str(a) for a in one]
     found = uploads_module.reservations(one)
     # each slot's run opens with its first micro-batch; the next slot's upload is taken there; W0 precedes all compute
-    assert {text[i]: keys for i, keys in found.items()} == {
-        f"0:{op}{s}.0": [(0, s + 1)] for op, s in zip("FFLBB", range(5))
+    assert {text[i]: [str(a) for a in loads] for i, loads in found.items()} == {
+        f"0:{op}{s}.0": [f"0:W{s + 1}~0/2"] for op, s in zip("FFLBB", range(5))
     }
     two = add_transfers(round_robin(plan, 2, 2, 2, 0), "priority").workers
     for actions in two:
         found = uploads_module.reservations(actions)
         loads = [(a.round, a.slot) for a in actions if a.op.name == "LOAD" and a.is_first_part]
-        assert [k for keys in found.values() for k in keys] == loads[1:]  # every upload but the list's first
-        for i, keys in found.items():
+        assert [(a.round, a.slot) for ls in found.values() for a in ls] == loads[1:]  # all but the list's first
+        for i, (later,) in found.items():
             assert actions[i].op.is_compute and actions[i].microbatch % 2 == 0  # a run's first micro-batch
-            (later,) = keys
-            assert actions.index(next(a for a in actions if (a.round, a.slot) == later)) > i
+            assert actions.index(later) > i
 
 
 def test_the_slot_taken_ahead_is_the_one_each_worker_uploads_first_in_the_next_batch():
@@ -109,7 +114,7 @@ def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(mon
     original = uploads_module.WeightUploads._buffers
 
     def spy(self, slot, flight, stream):
-        caller = sys._getframe(1).f_code.co_name  # reserve: before a run; _take: when the upload starts
+        caller = sys._getframe(1).f_code.co_name  # reserve(_ahead): before a run; _take: when the upload starts
         taken.append((slot, stream, caller, self.device, len(self.device.log)))
         return original(self, slot, flight, stream)
 
@@ -117,10 +122,9 @@ def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(mon
     holding: list[int] = []
     reserve = uploads_module.WeightUploads.reserve
 
-    def count(self, index, flight):  # before a run's next slot's buffers are taken, only the run's own are held
-        if index in self.reserve_at:
-            holding.append(sum(1 for loaded in self.slots.loaded.values() if loaded.flats))
-        reserve(self, index, flight)
+    def count(self, load, flight):  # before a run's next slot's buffers are taken, only the run's own are held
+        holding.append(sum(1 for loaded in self.slots.loaded.values() if loaded.flats))
+        reserve(self, load, flight)
 
     monkeypatch.setattr(uploads_module.WeightUploads, "reserve", count)
     torch.manual_seed(0)
@@ -129,11 +133,13 @@ def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(mon
     devices = [Streams(i) for i in range(2)]
     engine = PipelineEngine(
         list(model.children()), devices, plan=StagePlan.parse("2,1|2,2,1"), microbatches_per_round=2, num_rounds=2,
+        asynchronous=True,
     )  # fmt: skip
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     try:
         for _ in range(2):  # the second batch's gradients add to the first's
             engine.train_batch(x, y, F.mse_loss)
+        engine.flush()
         engine.store.install_grads()
         got = [p.grad.clone() for p in engine.store.parameters]
     finally:
@@ -161,7 +167,7 @@ def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(mon
         event = next(e[2] for e in log[at : copies[0]] if e[:2] == ("wait", "param_up") and e[2] is not None)
         assert event.stream == "compute" and event.at > at
         assert ("on", "compute") not in log[at : event.at]
-        if caller == "reserve":  # ... and before the compute the upload overlaps was issued: the prefetch is kept
+        if caller != "_take":  # ... and before the compute the upload overlaps was issued: the prefetch is kept
             assert ("on", "compute") in log[event.at : copies[0]]
 
 
@@ -205,3 +211,59 @@ def test_a_run_that_never_read_its_weights_orders_compute_after_their_upload_bef
     for dev, ready, at in unread:
         assert ready is not None and ready.stream == "param_up"
         assert dev.log[at] == ("wait", "compute", ready)
+
+
+def _two_batches(monkeypatch, fail, asynchronous=True) -> tuple[PipelineEngine, list[torch.Tensor], list[torch.Tensor]]:
+    """Two batches on one worker whose ``_buffers`` raises ``torch.OutOfMemoryError`` where ``fail(slot, caller)``."""
+    original = uploads_module.WeightUploads._buffers
+
+    def buffers(self, slot, flight, stream):
+        if fail(slot, sys._getframe(1).f_code.co_name):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(self, slot, flight, stream)
+
+    monkeypatch.setattr(uploads_module.WeightUploads, "_buffers", buffers)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    engine = PipelineEngine(
+        list(model.children()), [Streams(0)], plan=StagePlan.parse("2,1|2,2,1"), asynchronous=asynchronous
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    try:
+        for _ in range(2):
+            engine.train_batch(x, y, F.mse_loss)
+            F.mse_loss(plain(x), y).backward()
+        engine.flush()
+    except BaseException:
+        engine.close()
+        raise
+    engine.store.install_grads()
+    return engine, [p.grad.clone() for p in engine.store.parameters], [p.grad for p in plain.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_running_out_of_memory_for_an_upload_taken_before_a_run_names_that_upload(monkeypatch):
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        _two_batches(monkeypatch, lambda slot, caller: slot == 3 and caller == "reserve")
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "running action 0:W3~0/" in notes  # not the run it was taken before (0:L2.0)
+    assert "stage 3 (backward" in notes
+
+
+@pytest.mark.timeout(60)
+def test_buffers_taken_ahead_are_best_effort_and_given_back_at_close(monkeypatch):
+    engine, got, want = _two_batches(monkeypatch, lambda slot, caller: caller == "reserve_ahead")
+    try:
+        for a, b in zip(got, want):  # the second batch took its first buffers when its upload started
+            torch.testing.assert_close(a, b)
+        assert all(e._uploads.ahead is None for e in engine.crew.executors)
+    finally:
+        engine.close()
+    engine, _, _ = _two_batches(monkeypatch, lambda slot, caller: False)
+    assert all(e._uploads.ahead is not None for e in engine.crew.executors)
+    engine.close()
+    assert all(e._uploads.ahead is None for e in engine.crew.executors)
+    engine, _, _ = _two_batches(monkeypatch, lambda slot, caller: False, asynchronous=False)
+    assert all(e._uploads.ahead is None for e in engine.crew.executors)  # batches that settle take none ahead
+    engine.close()

@@ -1,9 +1,10 @@
 """The devices' caching allocators, watched between batches: a plan whose stages fit the planner's memory
 model but not the card beside the allocator's caches.
 
-PyTorch's caching allocator keeps a cache per stream. A worker uploads weights on one stream, computes on
-another and downloads gradients on a third, so the memory it holds nears the sum of each stream's peak,
-not the peak of their sum that stages are planned for. Under the card's limit (its size, or a
+PyTorch's caching allocator keeps a cache per stream. A worker computes on one stream and moves activations
+and gradients on others, so the memory it holds nears the sum of each stream's peak, not the peak of their
+sum that stages are planned for (the weights' buffers, the largest transfers, come from the compute stream's
+pool since 2026-12-07: ``runtime/uploads.py``). Under the card's limit (its size, or a
 ``torch.cuda.set_per_process_memory_fraction`` cap) the allocator then serves requests by freeing cached
 blocks: a ``cudaFree`` each time, which waits for every kernel and copy queued on the device, and the
 device idles until the worker catches up. Measured on one H200 capped at 24 GiB (Qwen3-1.7B shape,

@@ -259,7 +259,14 @@ class Crew:
         if self.optimizer is not None and not self.optimizer.close():
             stuck.append("roundpipe-optimizer")
         self.synchronize()
+        self.give_back_ahead()
         return stuck
+
+    def give_back_ahead(self) -> None:
+        """Drop each worker's buffers taken for its next batch's first upload: before the caches go back to the
+        device (a rebuild, a recovery) and at the end, they are not left in a stream's pool nothing allocates from."""
+        for executor in self.executors:
+            executor.give_back_ahead()
 
     # ------------------------------------------------------------------ for tests and benchmarks
     def set_seed(self, base_seed: int) -> None:

@@ -141,6 +141,7 @@ class Recovery:
         before = self._settings()
         if why_not is None:
             self.steps.roll_back(mark, landed)
+            self.crew.give_back_ahead()
             for device in self.crew.devices:
                 device.release_cached()
             plan = self.planner.shrink(flight, self.store) if attempt < MAX_ATTEMPTS else None

@@ -95,6 +95,10 @@ class StageExecutor:
         """What this worker's handlers share (the engine sets its resident states there)."""
         return self._slots
 
+    def give_back_ahead(self) -> None:
+        """Drop the buffers taken for the next batch's first upload (before the caches are given back)."""
+        self._uploads.ahead = None
+
     @property
     def base_seed(self) -> int:
         """Seed of the layers' generators; the engine sets it when it loads a saved state."""
@@ -137,7 +141,7 @@ class StageExecutor:
         host (the synchronous mode; the asynchronous one goes straight on to the next batch)."""
         self._replicas.apply(attributes)
         self._slots.use_plan(flight.schedule.plan)
-        self._uploads.begin(actions, flight)
+        self._uploads.begin(actions, flight, settle)
         self._unloads.tail = None
         self._unloads.staging_cap = 2 * self._slots.largest_gradients() if settle else None
         if settle and self.add_tail_on_device and not flight.evaluating:
@@ -151,7 +155,12 @@ class StageExecutor:
                 if flight.abort.is_set():
                     raise PipelineAborted
                 try:
-                    self._uploads.reserve(i, flight)
+                    for load in self._uploads.reserve_at.get(i, ()):  # an out-of-memory there is that upload's
+                        action = load
+                        self._uploads.reserve(load, flight)
+                    action = actions[i]
+                    if i == self._uploads.ahead_at:
+                        self._uploads.reserve_ahead(flight)
                     self._run(action, flight)
                     self._uploads.computed(i)
                 except PipelineAborted:

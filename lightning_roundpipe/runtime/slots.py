@@ -76,7 +76,7 @@ class WorkerSlots:
         self.stages, self.saved, self.groups, self.trainable, self._pieces = self._tables[plan]
 
     def drop(self, key: tuple[int, int]) -> None:
-        """Forget a slot: its device copy goes back to the allocator (:meth:`release`)."""
+        """Forget a slot at its unload: its gradient buffers, and its weights if still held (:meth:`release`)."""
         self.release(key)
         del self.loaded[key]
 

@@ -49,7 +49,7 @@ class GradientUnloads:
         loaded = self.slots.loaded[key]
         if not stage.has_gradients or flight.evaluating:
             if action.is_last_part:
-                self.slots.drop(key)  # the allocator frees it after the compute stream is done with it
+                self.slots.drop(key)  # (its weights went back after the run's last compute)
             return
         resident = self.slots.resident
         if resident is not None and resident.whole:

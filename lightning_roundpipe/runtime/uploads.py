@@ -19,6 +19,7 @@ before. A run's weights go back after its last compute, so that the next run's a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -47,8 +48,8 @@ class WeightUploads:
         self.device = slots.device
         self.store = slots.store
         self.overlap = overlap
-        self.reserve_at: dict[int, list[tuple[int, int]]] = {}
-        """Per index in the batch's actions, the slots whose buffers are taken just before that action."""
+        self.reserve_at: dict[int, list[Action]] = {}
+        """Per index in the batch's actions, the uploads whose buffers are taken just before that action."""
         self.early: set[tuple[int, int]] = set()
         """The batch's slots whose upload starts before its first compute."""
         self.release_at: dict[int, tuple[int, int]] = {}
@@ -59,8 +60,9 @@ class WeightUploads:
         """The next batch's first upload's buffers, taken in this batch, and the compute event they wait for."""
         self._worker = 0
 
-    def begin(self, actions: Sequence[Action], flight: Flight) -> None:
-        """Where this batch's buffers come from (see the module docstring)."""
+    def begin(self, actions: Sequence[Action], flight: Flight, settle: bool) -> None:
+        """Where this batch's buffers come from (see the module docstring). A batch that settles takes none ahead:
+        the next one's first upload cannot overlap it."""
         on = self.from_compute_pool and self.overlap == "priority"
         openers = run_openers(actions)
         self.reserve_at = reservations(actions) if on else {}
@@ -68,20 +70,25 @@ class WeightUploads:
         closers = [i - 1 for i in openers[1:]] + [len(actions) - 1]
         closers = [max(j for j in range(o, c + 1) if actions[j].op.is_compute) for o, c in zip(openers, closers)]
         self.release_at = {i: (actions[i].round, actions[i].slot) for i in closers} if self.from_compute_pool else {}
-        self.ahead_at = openers[-1] if on and self.take_ahead and openers and not flight.evaluating else None
+        ahead = on and self.take_ahead and openers and not flight.evaluating and not settle
+        self.ahead_at = openers[-1] if ahead else None
         first = next((a for a in actions if a.op is Op.LOAD), None)
         self._worker = flight.schedule.worker_of(first.round, first.slot) if first is not None else 0
 
-    def reserve(self, index: int, flight: Flight) -> None:
-        """Take the buffers of the uploads that start inside the run action ``index`` opens (and, before the
-        batch's last run, those of the next batch's first upload here, if the plan and dispatch stay)."""
+    def reserve(self, load: Action, flight: Flight) -> None:
+        """Take the buffers of ``load``'s upload, which starts inside the run about to be issued."""
         dev = self.device
-        for key in self.reserve_at.get(index, ()):
-            buffers = self._buffers(key[1], flight, dev.compute)
-            self.slots.loaded[key] = self._slot(key[1], flight, buffers, dev.record(dev.compute))
-        if index == self.ahead_at:
-            slot = next_first_slot(self._worker, flight.schedule)
-            self.ahead = None if slot is None else (self._buffers(slot, flight, dev.compute), dev.record(dev.compute))
+        buffers = self._buffers(load.slot, flight, dev.compute)
+        self.slots.loaded[(load.round, load.slot)] = self._slot(load.slot, flight, buffers, dev.record(dev.compute))
+
+    def reserve_ahead(self, flight: Flight) -> None:
+        """Before the batch's last run: the buffers of the next batch's first upload here, if the plan and dispatch
+        stay. Best effort: where they do not fit now, that upload takes its own when it starts."""
+        dev, slot = self.device, next_first_slot(self._worker, flight.schedule)
+        self.ahead = None
+        if slot is not None:
+            with contextlib.suppress(torch.OutOfMemoryError):
+                self.ahead = (self._buffers(slot, flight, dev.compute), dev.record(dev.compute))
 
     def computed(self, index: int) -> None:
         """After a run's last compute: its weights go back to the pool now, not at the slot's unload; the next
@@ -177,18 +184,18 @@ def run_openers(actions: Sequence[Action]) -> list[int]:
     return out
 
 
-def reservations(actions: Sequence[Action]) -> dict[int, list[tuple[int, int]]]:
-    """Per index of a compute action that opens a slot's run, the slots whose uploads start after it in the
+def reservations(actions: Sequence[Action]) -> dict[int, list[Action]]:
+    """Per index of a compute action that opens a slot's run, the uploads (first parts) that start after it in the
     list (before the next run opens): with the ``"priority"`` placement, the next slot's upload overlaps this
     run, so its buffers are taken from the compute stream's pool just before the run is issued. Uploads that no
     compute precedes are not in it."""
-    out: dict[int, list[tuple[int, int]]] = {}
+    out: dict[int, list[Action]] = {}
     opener, run = None, None
     for i, action in enumerate(actions):
         if action.op.is_compute and (action.round, action.slot) != run:
             opener, run = i, (action.round, action.slot)
         elif action.op is Op.LOAD and action.is_first_part and opener is not None:
-            out.setdefault(opener, []).append((action.round, action.slot))
+            out.setdefault(opener, []).append(action)
     return out
 
 
