@@ -13,8 +13,9 @@ come from the compute stream's pool, taken before the compute their upload overl
 (:func:`reservations`; the next batch's first upload's before this batch's last run): the upload waits, on
 the device, for the compute issued before that point, which covers every earlier use of the blocks, and
 the prefetch behind the run before is kept. A batch whose first upload finds no buffers taken ahead (the
-first, one after a validation or a plan change) takes them at its start, after all the compute issued
-before. A run's weights go back after its last compute, so that the next run's are not taken beside them.
+first, one after a validation, a plan change or a batch that settled) takes them at its start, after all
+the compute issued before. A run's weights go back after its last compute, so that the next run's are not
+taken beside them.
 """
 
 from __future__ import annotations
