@@ -22,6 +22,12 @@ from lightning_roundpipe.schedule.dispatch import round_robin
 from lightning_roundpipe.schedule.transfers import add_transfers
 
 
+def _caller() -> str:
+    """The WeightUploads method that asked its ``_buffers`` for buffers (through ``_from_compute`` or not)."""
+    frame = sys._getframe(2)
+    return frame.f_back.f_code.co_name if frame.f_code.co_name == "_from_compute" else frame.f_code.co_name
+
+
 @dataclass(frozen=True)
 class Event:
     stream: str
@@ -114,7 +120,7 @@ def test_uploads_write_compute_pool_buffers_only_after_computes_earlier_uses(mon
     original = uploads_module.WeightUploads._buffers
 
     def spy(self, slot, flight, stream):
-        caller = sys._getframe(1).f_code.co_name  # reserve(_ahead): before a run; _take: when the upload starts
+        caller = _caller()  # reserve(_ahead): before a run; _take: when the upload starts
         taken.append((slot, stream, caller, self.device, len(self.device.log)))
         return original(self, slot, flight, stream)
 
@@ -218,7 +224,7 @@ def _two_batches(monkeypatch, fail, asynchronous=True) -> tuple[PipelineEngine, 
     original = uploads_module.WeightUploads._buffers
 
     def buffers(self, slot, flight, stream):
-        if fail(slot, sys._getframe(1).f_code.co_name):
+        if fail(slot, _caller()):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return original(self, slot, flight, stream)
 

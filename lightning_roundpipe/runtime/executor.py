@@ -182,10 +182,12 @@ class StageExecutor:
                 for gate in self._unloads.collecting:
                     gate.wait()
         except PipelineAborted:
-            settle, self._uploads.ahead = True, None
+            settle = True
+            self.give_back_ahead()
             raise
         except BaseException as e:
-            settle, self._uploads.ahead = True, None
+            settle = True
+            self.give_back_ahead()
             self._on_error(e)  # abort the others now, before waiting for the collector below
             raise
         finally:

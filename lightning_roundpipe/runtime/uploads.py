@@ -68,9 +68,8 @@ class WeightUploads:
         openers = run_openers(actions)
         self.reserve_at = reservations(actions) if on else {}
         self.early = {(a.round, a.slot) for a in actions[: openers[0] if openers else None] if a.op is Op.LOAD}
-        closers = [i - 1 for i in openers[1:]] + [len(actions) - 1]
-        closers = [max(j for j in range(o, c + 1) if actions[j].op.is_compute) for o, c in zip(openers, closers)]
-        self.release_at = {i: (actions[i].round, actions[i].slot) for i in closers} if self.from_compute_pool else {}
+        last = {(a.round, a.slot): i for i, a in enumerate(actions) if a.op.is_compute}  # each run's last compute
+        self.release_at = {i: key for key, i in last.items()} if self.from_compute_pool else {}
         ahead = on and self.take_ahead and openers and not flight.evaluating and not settle
         self.ahead_at = openers[-1] if ahead else None
         first = next((a for a in actions if a.op is Op.LOAD), None)
@@ -78,9 +77,7 @@ class WeightUploads:
 
     def reserve(self, load: Action, flight: Flight) -> None:
         """Take the buffers of ``load``'s upload, which starts inside the run about to be issued."""
-        dev = self.device
-        buffers = self._buffers(load.slot, flight, dev.compute)
-        self.slots.loaded[(load.round, load.slot)] = self._slot(load.slot, flight, buffers, dev.record(dev.compute))
+        self.slots.loaded[(load.round, load.slot)] = self._from_compute(load.slot, flight)
 
     def reserve_ahead(self, flight: Flight) -> None:
         """Before the batch's last run: the buffers of the next batch's first upload here, if the plan and dispatch
@@ -125,7 +122,12 @@ class WeightUploads:
             return self._slot(slot, flight, *ahead)
         if not self.from_compute_pool:
             return self._slot(slot, flight, self._buffers(slot, flight, dev.param_up), None)
-        return self._slot(slot, flight, self._buffers(slot, flight, dev.compute), dev.record(dev.compute))
+        return self._from_compute(slot, flight)
+
+    def _from_compute(self, slot: int, flight: Flight) -> LoadedSlot:
+        """New buffers from the compute stream's pool, with the event on it their upload waits for."""
+        buffers = self._buffers(slot, flight, self.device.compute)
+        return self._slot(slot, flight, buffers, self.device.record(self.device.compute))
 
     def load(self, stage: Stage, action: Action, flight: Flight) -> None:
         dev = self.device
