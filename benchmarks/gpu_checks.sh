@@ -32,7 +32,7 @@
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
-#        host-compiled (issue 39: the host step in one compiled pass) memory-24gib memory-24gib-fixed (issue 39: the
+#        host-compiled (issue 39: the host step in one compiled pass) onepass-24gib (that pass through Trainer) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
 #        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default) mirror (the masters' copy to the host)
@@ -246,10 +246,18 @@ for step in "${steps[@]}"; do
         --configs newcomer,newcomer-switch500 --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-switch.json" ;;
     host-compiled)  # issue 39: the host step's math and cast in one pass compiled for the CPU (30 bytes a parameter
-      # instead of 34: expected near 0.45 s against 0.55 for the two passes). On 2026-12-04 (nineteenth) it ran past
-      # 150 s and printed nothing: Inductor's C++ build of two sizes, or a slow kernel; the log now says which
-      run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled \
+      # instead of 34). On one H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes; the first
+      # compile took about 75 s (a cold Inductor cache). About 150 s
+      run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast \
         --out "$OUT/host-compiled.json" ;;
+    onepass-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="all" with AdamW's math and cast in one compiled pass
+      # (runtime/one_pass.py) against the same spares with torch's AdamW and a separate cast, and the defaults. The
+      # H200's defaults waited 0.40 s a batch for the host's update of a 0.8 s step (2026-12-07); the kernel took 0.18 s
+      # off the host's step alone. Expected: newcomer-db near 27-29k real tokens/s, twopass near the defaults' 23k;
+      # one_pass.off_because null in the JSON. About 330 s
+      run onepass-24gib 420 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer-db,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 200 \
+        --out "$OUT/onepass-24gib.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,
       # 35-45k real tokens/s (SGD's 0.5 s host step gave 30,074; the devices' own step about 0.32 s), its losses equal

@@ -88,22 +88,51 @@ class Groups:
         """One group's step and cast by :func:`adamw_and_cast` (the moments' step count kept beside)."""
         self.step[g] += 1
         b1, b2 = 1 - 0.9 ** self.step[g], (1 - 0.999 ** self.step[g]).sqrt()
-        adamw_and_cast(self.data[g], self.grad[g], self.avg[g], self.avg_sq[g], self.compute[g], b1, b2)
+        adamw_and_cast(self.data[g], self.grad[g], self.avg[g], self.avg_sq[g], self.compute[g], b1, b2, *HYPER)
+
+    def compiled_math(self, g: int) -> None:
+        """The same arithmetic without the cast: Inductor's kernel against torch's fused one."""
+        self.step[g] += 1
+        b1, b2 = 1 - 0.9 ** self.step[g], (1 - 0.999 ** self.step[g]).sqrt()
+        adamw_only(self.data[g], self.grad[g], self.avg[g], self.avg_sq[g], b1, b2, *HYPER)
+
+    def compiled_cast(self, g: int) -> None:
+        cast_only(self.data[g], self.compute[g])
+
+
+HYPER = tuple(torch.tensor(v) for v in (1e-5, 0.01, 0.9, 0.999, 1e-8))
+"""lr, weight decay, betas and eps as 0-d tensors: a scheduler's new LR is a new value, not a recompile."""
+
+
+def _adamw(
+    p: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, avg_sq: torch.Tensor, bias1: torch.Tensor,
+    bias2_sqrt: torch.Tensor, lr: torch.Tensor, wd: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor,
+    eps: torch.Tensor,
+) -> None:  # fmt: skip
+    """torch's AdamW arithmetic in its fused kernel's order."""
+    p.mul_(1 - lr * wd)
+    avg.lerp_(grad, 1 - beta1)
+    avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
+    p.sub_((lr / bias1) * avg / (avg_sq.sqrt() / bias2_sqrt + eps))
 
 
 def _adamw_and_cast(
     p: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, avg_sq: torch.Tensor, compute: torch.Tensor,
-    bias1: torch.Tensor, bias2_sqrt: torch.Tensor, lr: float = 1e-5, wd: float = 0.01, eps: float = 1e-8,
+    bias1: torch.Tensor, bias2_sqrt: torch.Tensor, *hyper: torch.Tensor,
 ) -> None:  # fmt: skip
-    """torch's AdamW arithmetic (its fused kernel's order), the bf16 copy written from the new master."""
-    p.mul_(1 - lr * wd)
-    avg.lerp_(grad, 0.1)
-    avg_sq.mul_(0.999).add_(grad * grad * 0.001)
-    p.sub_((lr / bias1) * avg / (avg_sq.sqrt() / bias2_sqrt + eps))
+    """The same, the bf16 copy written from the new master in the same pass."""
+    _adamw(p, grad, avg, avg_sq, bias1, bias2_sqrt, *hyper)
     compute.copy_(p)
 
 
-adamw_and_cast = torch.compile(_adamw_and_cast, fullgraph=True, dynamic=False)
+def _cast(p: torch.Tensor, compute: torch.Tensor) -> None:
+    compute.copy_(p)
+
+
+# dynamic: one kernel for every group's length (a model's groups differ in size)
+adamw_and_cast = torch.compile(_adamw_and_cast, fullgraph=True, dynamic=True)
+adamw_only = torch.compile(_adamw, fullgraph=True, dynamic=True)
+cast_only = torch.compile(_cast, fullgraph=True, dynamic=True)
 
 
 def compiled_error(n: int, steps: int = 3) -> float:
@@ -120,7 +149,7 @@ def compiled_error(n: int, steps: int = 3) -> float:
         optimizer.step()
         before = data.clone()
         b1, b2 = torch.tensor(1 - 0.9**k), torch.tensor(1 - 0.999**k).sqrt()
-        adamw_and_cast(data, ref.grad, avg, avg_sq, compute, b1, b2)
+        adamw_and_cast(data, ref.grad, avg, avg_sq, compute, b1, b2, *HYPER)
         worst = max(worst, float((data - ref.detach()).abs().max() / (data - before).abs().max()))
     return worst
 
@@ -317,6 +346,8 @@ def main() -> None:
         "math-then-cast": lambda: [groups.math(g) for g in order] and [groups.cast(g) for g in order] and None,
         "math-beside-cast": lambda: beside(groups, order),
         "compiled": lambda: [groups.compiled(g) for g in order] and None,
+        "compiled-math": lambda: [groups.compiled_math(g) for g in order] and None,
+        "compiled-cast": lambda: [groups.compiled_cast(g) for g in order] and None,
     }
     both = runs["math-then-cast"]
 

@@ -33,7 +33,9 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-split``: ``RoundPipeStrategy(split_decoder_layers=True)`` (half blocks: with ``--profile``, where
   a split stage's time goes);
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
-  cast as soon as its math is done, not after the step's last read of the copy);
+  cast as soon as its math is done, not after the step's last read of the copy; AdamW's math and that cast then
+  run in one pass, ``runtime/one_pass.py``); ``newcomer-db-twopass``: the same with torch's AdamW and a separate
+  cast (``OnePass.enabled`` off);
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
 - ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
   blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
@@ -145,6 +147,7 @@ from qwen3_shape import SHAPES, Shape, flops_per_token, init_hf, num_parameters
 from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.runtime.compiles import compilations, compile_seconds
 from lightning_roundpipe.runtime.device import max_memory_allocated, reset_peak_memory_stats
+from lightning_roundpipe.runtime.one_pass import OnePass
 
 GiB = 2**30
 
@@ -497,7 +500,7 @@ def strategy_for(
         return RoundPipeStrategy(gpu_memory=1.0), False
     if config.startswith("newcomer-gm"):  # e.g. newcomer-gm0.7: the share of the card the planner plans for
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
-    if config == "newcomer-db":
+    if config in ("newcomer-db", "newcomer-db-twopass"):
         return RoundPipeStrategy(double_buffer="all"), False
     if config == "newcomer-sync":
         return RoundPipeStrategy(async_optimizer=False), False
@@ -513,7 +516,8 @@ def strategy_for(
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
-        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-gmFRACTION, newcomer-capped,"
+        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-db-twopass, newcomer-gmFRACTION,"
+        " newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-uppool, newcomer-noahead, newcomer-whole,"
         " newcomer-nowhole, newcomer-autoshare,"
         " newcomer-devopt,"
@@ -729,6 +733,10 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(CacheWatch, "release_over_limit", lambda self: 0):
             yield
         return
+    if config == "newcomer-db-twopass":  # the spares without the one-pass kernel: torch's AdamW, then the cast
+        with mock.patch.object(OnePass, "enabled", False):
+            yield
+        return
     if config in ("newcomer-uppool", "newcomer-noahead"):  # the weights' device buffers from the uploads' own pool
         from lightning_roundpipe.runtime.uploads import WeightUploads
 
@@ -923,6 +931,12 @@ class _Remember(L.Callback):
             "candidate_periods_s": {str(k): v for k, v in engine.planner.candidate_periods.items()},
             "host_step_s": trainer.strategy.host_step_s,
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
+            "one_pass": {
+                "enabled": OnePass.enabled,
+                "off_because": OnePass._failed,
+                "checked": len(OnePass._checked),
+                "eager_calls": getattr(engine.crew.optimizer, "eager_one_pass", None),  # while a compile traced
+            },
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
             "cache_releases": engine.caches.releases,

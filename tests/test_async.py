@@ -248,7 +248,8 @@ def test_clipping_and_hyperparameters_are_taken_at_submission(clip, algorithm):
 
 
 def _jitter(monkeypatch, seed: int) -> None:
-    """Random sleeps in every worker action, gradient collection, optimizer group step and cast."""
+    """Random sleeps in every worker action, gradient collection, optimizer group step and cast (and one-pass
+    update)."""
     rng = random.Random(seed)
     lock = threading.Lock()
 
@@ -267,6 +268,8 @@ def _jitter(monkeypatch, seed: int) -> None:
     monkeypatch.setattr(optimizer_module.OptimizerWorker, "_step_groups", lambda self, *a: (nap(), step(self, *a))[1])
     monkeypatch.setattr(executor_module.GradCollector, "submit", lambda self, *a: (nap(), collect(self, *a))[1])
     monkeypatch.setattr(optimizer_module.OptimizerWorker, "_cast", lambda self, *a: (nap(), cast(self, *a))[1])
+    one_pass = optimizer_module.step_and_cast  # double-buffered: the math and the cast in one kernel
+    monkeypatch.setattr(optimizer_module, "step_and_cast", lambda *a: (nap(), one_pass(*a))[1])
 
 
 @pytest.mark.timeout(120)

@@ -10,9 +10,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from lightning_roundpipe.runtime.flight import Flight
 from lightning_roundpipe.runtime.host_pool import HostPool, Parcel
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.one_pass import OnePass
 from lightning_roundpipe.runtime.optimizer_worker import OptimizerWorker
 from lightning_roundpipe.runtime.updates import StepWindow, UpdateJob, UpdateSpec
 from lightning_roundpipe.runtime.workers import Gate, PipelineAborted
@@ -70,6 +73,8 @@ class StepChain:
         self._slot_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         if double_buffer == "all":
             store.add_spares([g for g in self.trainable if g not in held], prepare=pool.register)
+            if optimizer is not None:  # AdamW's math and cast in one pass: compiled before any batch runs
+                OnePass.compile(self._cast_dtypes())
         elif double_buffer == "first":  # no batch yet: any time is right
             store.add_spares([g for g in self.slot_groups(plan)[0] if g not in held], prepare=pool.register)
 
@@ -172,10 +177,15 @@ class StepChain:
         self.windows.pop(k - 2, None)
         window.closed.set()
         self.store.fresh_grads = set(self.trainable)
+        one_pass = cast and self.double_buffer == "all" and OnePass.ready(spec.optimizer, self._cast_dtypes())
         self.optimizer.submit(
-            UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window, cast, window=window)
+            UpdateJob(k, spec, order, grads_complete, consumed, cast_done, next_window, cast, window, one_pass)
         )
         self.step += 1
+
+    def _cast_dtypes(self) -> set[torch.dtype]:
+        """The compute copies' dtypes of the fp32 masters (what the one-pass kernel casts into)."""
+        return {g.compute.dtype for g in self.store.groups if g.trainable and g.data.dtype == torch.float32}
 
     def pending_casts(self) -> dict[int, Gate]:
         """The groups whose compute copy still waits for the last submitted update."""

@@ -156,6 +156,18 @@ class HostStore:
             return
         self._refresh(group)
 
+    def cast_target(self, index: int, step: int) -> Tensor:
+        """The compute copy that :meth:`refresh_group` writes for ``step``."""
+        group = self.groups[index]
+        return group.spare if group.spare is not None and step % 2 else group.compute
+
+    def cast_written(self, index: int, step: int) -> None:
+        """:meth:`cast_target` took the master by other means (the update's one-pass kernel)."""
+        group = self.groups[index]
+        if group.spare is None or not step % 2:
+            group.synced_version = group.version()
+            group.dirty = False
+
     def add_spares(
         self, groups: Iterable[int] | None = None, prepare: Callable[[Tensor], Any] | None = None
     ) -> list[Tensor]:

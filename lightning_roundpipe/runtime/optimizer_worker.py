@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_roundpipe.runtime.exchange import NodeExchange
 from lightning_roundpipe.runtime.host_store import HostStore
+from lightning_roundpipe.runtime.one_pass import one_pass_items, step_and_cast
 from lightning_roundpipe.runtime.shadow import GroupSync, shadow_optimizer, steps_apart
 from lightning_roundpipe.runtime.updates import UpdateJob
 from lightning_roundpipe.runtime.workers import PipelineAborted
@@ -79,6 +80,8 @@ class OptimizerWorker:
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
+        self._cast_in_math: set[int] = set()  # the running update's groups cast by the one-pass kernel
+        self.eager_one_pass = 0  # parameters whose one-pass update ran eagerly: another thread was tracing
         self.resident: ResidentStates | None = None
         """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
@@ -150,6 +153,7 @@ class OptimizerWorker:
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
         groups = job.groups
+        self._cast_in_math = set()
         if (resident := self.resident) is not None:  # the device updates and casts its groups; a resumed cast
             groups = [g for g in job.groups if g not in resident.held]  # comes with its states
             if job.spec is not None:
@@ -173,7 +177,7 @@ class OptimizerWorker:
             return
         # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
-        spare = [g for g in groups if self.store.groups[g].spare is not None]
+        spare = [g for g in groups if self.store.groups[g].spare is not None and g not in self._cast_in_math]
         single = [g for g in groups if self.store.groups[g].spare is None]
         for g in spare:
             for flight in job.window.flights if job.window is not None else ():
@@ -186,8 +190,12 @@ class OptimizerWorker:
                 flight.wait_uploaded(g)
             self._cast(job, g)
 
-    def _cast(self, job: UpdateJob, g: int) -> None:
-        self.store.refresh_group(g, job.step + 2)
+    def _cast(self, job: UpdateJob, g: int, done: bool = False) -> None:
+        """Cast update k into the copy step k + 2 reads (``done``: the one-pass kernel did)."""
+        if done:
+            self.store.cast_written(g, job.step + 2)
+        else:
+            self.store.refresh_group(g, job.step + 2)
         job.cast_done[g].set()
         if self.trace is not None:
             self.trace.append(("cast", job.step, g, time.perf_counter()))
@@ -258,7 +266,7 @@ class OptimizerWorker:
                     grad.clamp_(-job.spec.clip_value, job.spec.clip_value)
                 elif coefficient < 1.0:
                     grad.mul_(coefficient)
-            self._step_groups(shadow, part)
+            self._step_groups(shadow, [g for g in part if not self._step_and_cast(shadow, job, g)])
             for g in part:
                 job.consumed[g].set()
             end = time.perf_counter()
@@ -306,6 +314,20 @@ class OptimizerWorker:
         for sp in stepped:
             sp.grad = None
 
+    def _step_and_cast(self, shadow: Shadow, job: UpdateJob, g: int) -> bool:
+        """Update a double-buffered group and cast it into the copy step ``k + 2`` reads in one pass
+        (:mod:`~lightning_roundpipe.runtime.one_pass`) where its optimizer and settings allow; whether it did."""
+        out = self.store.cast_target(g, job.step + 2)
+        planned = (
+            job.one_pass and self.exchange is None and one_pass_items(self.store.groups[g], shadow, self._grad(g), out)
+        )
+        if not planned or not _released(job, g):
+            return False  # (aborted: torch's step finishes the math, so an update whose gradients landed ends whole)
+        self.eager_one_pass += step_and_cast(*planned, shadow.optimizer)
+        self._cast_in_math.add(g)
+        self._cast(job, g, True)
+        return True
+
     def _shadow(self, optimizer: torch.optim.Optimizer) -> Shadow:
         # rebuilt if the optimizer's state was replaced (load_state_dict) or groups were added
         key = (id(optimizer), id(optimizer.state), len(optimizer.param_groups))
@@ -324,6 +346,17 @@ class OptimizerWorker:
             shadow.sync.to_host()
 
 
+def _released(job: UpdateJob, g: int) -> bool:
+    """Wait until step k no longer reads the copy update k is cast into (done before its last gradient, mostly);
+    ``False`` after an abort."""
+    try:
+        for flight in job.window.flights if job.window is not None else ():
+            flight.wait_uploaded(g)
+    except PipelineAborted:
+        return False
+    return True
+
+
 @dataclass
 class Shadow:
     """The user's optimizer as this thread steps it, and how."""
@@ -333,3 +366,10 @@ class Shadow:
     sync: GroupSync
     apart: bool
     """Whether its groups may be stepped one by one (:func:`~lightning_roundpipe.runtime.shadow.steps_apart`)."""
+    _groups: dict[int, dict[str, Any]] | None = None
+
+    def group_of(self, shadow_param: nn.Parameter) -> dict[str, Any] | None:
+        """The shadow's parameter group that holds ``shadow_param``."""
+        if self._groups is None:
+            self._groups = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        return self._groups.get(id(shadow_param))

@@ -71,6 +71,9 @@ class UpdateJob:
     window: StepWindow | None = None
     """This step's batches (``None``: none, e.g. a resumed run's pending cast): with double buffering,
     the last ones to read the compute copy the cast overwrites."""
+    one_pass: bool = False
+    """Update and cast each double-buffered group in one pass (:mod:`~lightning_roundpipe.runtime.one_pass`): every
+    trainable group has its spare, and the kernel was compiled and checked when the update was submitted."""
     math_done: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 

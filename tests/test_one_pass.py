@@ -1,0 +1,275 @@
+"""AdamW's host step and the cast in one pass (``runtime/one_pass.py``): torch's AdamW to rounding, the
+staleness-one reference through the engine, and the two passes wherever the kernel does not apply or fails."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import test_async
+import torch
+import torch.nn.functional as F
+from helpers import relative_error
+from test_async import batches, mlp, run_async, staleness_one_reference
+from test_resident import _update_began
+
+from lightning_roundpipe.engine import PipelineEngine
+from lightning_roundpipe.runtime import WorkerDevice, one_pass
+from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
+from lightning_roundpipe.runtime.one_pass import OnePass, step_and_cast
+from lightning_roundpipe.runtime.updates import UpdateSpec
+
+
+@pytest.fixture(autouse=True)
+def fresh_one_pass(monkeypatch):
+    """Each test starts with the kernel on and unchecked (the class keeps a failure for the process)."""
+    monkeypatch.setattr(OnePass, "_failed", None)
+    monkeypatch.setattr(OnePass, "_checked", set())
+    monkeypatch.setattr(OnePass, "enabled", True)
+
+
+def counted_eager(monkeypatch) -> list[int]:
+    """How many parameters' updates ran the kernel's arithmetic in eager torch."""
+    calls = [0]
+    arithmetic = one_pass._adamw_and_cast
+
+    def count(*args):
+        calls[0] += 1
+        return arithmetic(*args)
+
+    monkeypatch.setattr(one_pass, "_adamw_and_cast", count)
+    return calls
+
+
+def counted(monkeypatch) -> list[int]:
+    calls = [0]
+    real = optimizer_module.step_and_cast
+
+    def count(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "step_and_cast", count)
+    return calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(cls):
+    """Two parameter groups with their own settings, the LR changed between steps: weights, moments and step
+    counts equal torch's (its default and its fused kernel) to float32 rounding; ``out`` is the new weights in
+    bf16."""
+    torch.manual_seed(0)
+    shapes = [(33, 7), (129,), (5, 3)]
+    weights = [torch.randn(s) for s in shapes]
+    settings = [dict(weight_decay=0.1 if cls is torch.optim.AdamW else 0.0, betas=(0.8, 0.99)), dict(eps=1e-6)]
+
+    def optimizer(params, **extra):
+        groups = [{"params": params[:2], **settings[0]}, {"params": params[2:], **settings[1]}]
+        return cls(groups, lr=0.01, **extra)
+
+    mine = [torch.nn.Parameter(w.clone()) for w in weights]
+    ours = optimizer(mine)
+    OnePass.compile({torch.bfloat16})
+    assert OnePass.ready(ours, {torch.bfloat16})
+    kernel = OnePass.kernel(ours.param_groups[0], torch.bfloat16)
+    assert kernel is not None and OnePass.kernel(ours.param_groups[1], torch.bfloat16) is kernel
+    references = {fused: [torch.nn.Parameter(w.clone()) for w in weights] for fused in (False, True)}
+    theirs = {fused: optimizer(params, fused=fused) for fused, params in references.items()}
+    outs = [torch.empty(w.numel(), dtype=torch.bfloat16) for w in weights]
+    for step in range(4):
+        grads = [torch.randn(s) for s in shapes]
+        for opt, params in [(theirs[False], references[False]), (theirs[True], references[True])]:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            for group in opt.param_groups:
+                group["lr"] = 0.01 / (step + 1)
+            opt.step()
+        for group in ours.param_groups:
+            group["lr"] = 0.01 / (step + 1)
+        items = [
+            (p, ours.param_groups[0 if i < 2 else 1], g.view(-1), o)
+            for i, (p, g, o) in enumerate(zip(mine, grads, outs))
+        ]
+        step_and_cast(kernel, items, ours)
+        for fused, params in references.items():
+            for p, q in zip(mine, params):
+                assert relative_error(p.detach(), q.detach()) <= 1e-6, fused
+                s, r = ours.state[p], theirs[fused].state[q]
+                assert float(s["step"]) == float(r["step"]) == step + 1
+                assert relative_error(s["exp_avg_sq"], r["exp_avg_sq"]) <= 1e-6
+                assert relative_error(s["exp_avg"], r["exp_avg"]) <= 1e-6
+        for p, o in zip(mine, outs):
+            assert torch.equal(o, p.detach().view(-1).to(torch.bfloat16))
+
+
+def test_only_plain_adam_and_adamw_without_the_options_it_leaves_out_take_it():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+
+    class Mine(torch.optim.AdamW):
+        pass
+
+    assert OnePass.usable(torch.optim.AdamW(params)) and OnePass.usable(torch.optim.Adam(params))
+    assert not OnePass.usable(Mine(params)) and not OnePass.usable(torch.optim.SGD(params, lr=0.1))
+
+    def settles(optimizer):
+        return OnePass.settles(optimizer.param_groups[0], optimizer)
+
+    assert settles(torch.optim.AdamW(params, weight_decay=0.1)) and settles(torch.optim.Adam(params))
+    assert settles(torch.optim.Adam(params, weight_decay=0.1, decoupled_weight_decay=True))
+    assert not settles(torch.optim.Adam(params, weight_decay=0.1))  # L2, in the gradient
+    for option in ("amsgrad", "maximize"):
+        assert not settles(torch.optim.AdamW(params, **{option: True}))
+    OnePass.enabled = False
+    assert not OnePass.usable(torch.optim.AdamW(params))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_double_buffered_updates_take_the_kernel_and_equal_the_staleness_one_reference(monkeypatch, dtype):
+    """Every group's update of every step but the engine's own first casts goes through the kernel; the weights
+    equal the reference, and the two passes (the kernel off) to float32 rounding."""
+    model, data = mlp(), batches(5, 2)
+    kwargs = dict(microbatches_per_round=2, double_buffer=True, last_of_step=True)
+    if dtype is not None:
+        kwargs.update(compute_dtype=dtype, autocast_dtype=dtype)
+    calls, eager = counted(monkeypatch), counted_eager(monkeypatch)
+    got, _ = run_async(copy.deepcopy(model), data, **kwargs)
+    assert calls[0] == 5 * 4 and eager[0] == 0  # five updates of four trainable groups (one per Linear), compiled
+    OnePass.enabled = False
+    two_passes, _ = run_async(copy.deepcopy(model), data, **kwargs)
+    assert calls[0] == 20
+    assert relative_error(got, two_passes) <= 1e-6
+    if dtype is None:
+        assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("spares", "decoupled", "takes_it"), [(False, True, False), (True, False, False), (True, True, True)]
+)
+def test_adam_takes_it_with_spares_and_decoupled_decay_only(monkeypatch, spares, decoupled, takes_it):
+    """Without spares the single compute copy is cast after the next step's last read of it, so the math cannot
+    carry the cast; Adam's L2 decay (added to the gradient) is not the kernel's. Each way the weights equal torch's
+    Adam with the same settings, stepped with staleness one."""
+    model, data = mlp(), batches(4)
+    calls = counted(monkeypatch)
+    settings = dict(lr=0.05, weight_decay=0.1, decoupled_weight_decay=decoupled)
+    monkeypatch.setattr(test_async, "make_optimizer", lambda params, kind="adamw": torch.optim.Adam(params, **settings))
+    got, _ = run_async(copy.deepcopy(model), data, double_buffer=spares)
+    assert calls[0] == (4 * 4 if takes_it else 0)
+    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("failure", ["compile", "numerics"])
+def test_a_kernel_that_fails_or_differs_is_turned_off_with_a_warning(monkeypatch, failure):
+    """A compile that raises (no C++ compiler), or a kernel whose first check against torch's AdamW differs:
+    a warning, then the two passes for the process, and the weights still equal the reference."""
+    model, data = mlp(), batches(4)
+    monkeypatch.setattr(OnePass, "_kernel", None)
+    monkeypatch.setattr(OnePass, "_compiled", set())
+    if failure == "compile":
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no C++ compiler")
+
+        monkeypatch.setattr(one_pass.torch, "compile", broken)
+    else:
+
+        def wrong(p, grad, avg, avg_sq, out, *scalars):
+            p.sub_(0.1 * grad)
+            out.copy_(p)
+
+        monkeypatch.setattr(OnePass, "_kernel", wrong)
+    calls = counted(monkeypatch)
+    with pytest.warns(UserWarning, match="one-pass AdamW and cast is off"):
+        got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    assert calls[0] == 0 and OnePass._failed is not None
+    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["before the call", "during the call", "at the submission's check"])
+def test_while_another_thread_traces_the_kernel_waits_and_the_bits_are_the_same(monkeypatch, when):
+    """A compiled function called while any thread traces with FX (a worker compiling a block) refuses to run: seen
+    on an H100 when a new plan's blocks compiled beside an update. The call waits for the trace to end and runs the
+    same kernel: the weights equal a run with no trace bit for bit."""
+    model, data = mlp(), batches(4)
+    OnePass.compile({torch.float32})
+    calm, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    seen = {"looks": 0}
+    thread = threading.main_thread().name if when == "at the submission's check" else "roundpipe-optimizer"
+
+    def tracing_a_while() -> bool:  # a trace seen by the first 20 looks from that thread, then over
+        if threading.current_thread().name != thread:
+            return False
+        seen["looks"] += 1
+        return seen["looks"] <= 20
+
+    monkeypatch.setattr(OnePass, "_checked", set())
+    if when == "during the call":  # the trace begins between the look and the call: dynamo's refusal, 3 times
+        real = OnePass._kernel
+
+        def refusing(*args):
+            if threading.current_thread().name == thread and seen["looks"] < 3:
+                seen["looks"] += 1
+                raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
+            return real(*args)
+
+        monkeypatch.setattr(OnePass, "_kernel", refusing)
+    else:
+        monkeypatch.setattr(one_pass, "traced_elsewhere", tracing_a_while)
+    eager, calls = counted_eager(monkeypatch), counted(monkeypatch)
+    got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    assert seen["looks"] >= 3 and calls[0] == 4 * 4 and eager[0] == 0
+    assert torch.equal(got, calm)
+
+
+@pytest.mark.timeout(120)
+def test_a_trace_longer_than_the_limit_runs_the_update_eagerly_with_a_warning(monkeypatch):
+    model, data = mlp(), batches(3)
+    OnePass.compile({torch.float32})
+    monkeypatch.setattr(one_pass, "WAIT_LIMIT_S", 0.05)
+    monkeypatch.setattr(OnePass, "_waited_out", False)
+    monkeypatch.setattr(one_pass, "traced_elsewhere", lambda: threading.current_thread().name == "roundpipe-optimizer")
+    eager = counted_eager(monkeypatch)
+    with pytest.warns(UserWarning, match="ran in eager torch meanwhile"):
+        got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    assert eager[0] == 3 * 8  # every parameter of every update (a weight and a bias a Linear)
+    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_in_the_next_batch_lets_the_one_pass_update_finish(monkeypatch):
+    """An abort while the update of the step before runs (its gradients all landed): the update finishes through
+    torch's step where the one pass would wait on the aborted step's reads, and the module holds whole steps."""
+    model, data = mlp(), batches(5)
+    want = staleness_one_reference(model, data[:4])
+    one, rest = optimizer_module.step_and_cast, optimizer_module.OptimizerWorker._step_groups
+    monkeypatch.setattr(optimizer_module, "step_and_cast", lambda *a: (time.sleep(0.03), one(*a))[1])
+    monkeypatch.setattr(
+        optimizer_module.OptimizerWorker, "_step_groups",
+        lambda self, shadow, groups: (time.sleep(0.03 if groups else 0), rest(self, shadow, groups))[1],
+    )  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, double_buffer=True)
+    trace = engine.crew.record_trace()
+
+    def loss(a, b):
+        raise RuntimeError("the user's loss failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="the user's loss failed"):
+            for t, ((x, y),) in enumerate(data):
+                if t == 4:
+                    _update_began(trace, 3)  # its gradients landed; 4 groups x 30 ms still to go
+                engine.train_batch(x, y, loss if t == 4 else F.mse_loss)
+                engine.submit_step(UpdateSpec.capture(opt))
+    finally:
+        engine.close()
+    assert engine.crew.optimizer.cut_short is None
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert relative_error(got, want) <= 1e-5
