@@ -18,6 +18,7 @@ from test_resident import _update_began
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice, one_pass
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
+from lightning_roundpipe.runtime.compiles import compilations
 from lightning_roundpipe.runtime.one_pass import OnePass, step_and_cast
 from lightning_roundpipe.runtime.updates import UpdateSpec
 
@@ -273,3 +274,23 @@ def test_a_failure_in_the_next_batch_lets_the_one_pass_update_finish(monkeypatch
     assert engine.crew.optimizer.cut_short is None
     got = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert relative_error(got, want) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_setting_changed_after_the_compile_runs_the_update_eagerly_and_compiles_nothing(monkeypatch):
+    """The kernel's guards read settings of the process (matmul precision, default dtype) and of the calling thread
+    (its thread count): under others a call would compile again, and a compile off the main thread sets the FX flag
+    that makes the workers' compiled blocks refuse to run. Such a call runs the same arithmetic eagerly instead."""
+    model, data = mlp(), batches(3)
+    OnePass.compile({torch.float32})
+    started = compilations()
+    precision = torch.get_float32_matmul_precision()
+    eager, calls = counted_eager(monkeypatch), counted(monkeypatch)
+    torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
+    try:
+        got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert compilations() == started
+    assert calls[0] == 3 * 4 and eager[0] >= 3 * 8  # every parameter of every update (and the submission's check)
+    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5

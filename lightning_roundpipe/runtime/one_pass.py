@@ -38,13 +38,14 @@ _KEYS_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def _adamw_and_cast(
-    p: Tensor, grad: Tensor, avg: Tensor, avg_sq: Tensor, out: Tensor, decay: Tensor, beta1: Tensor,
-    beta2: Tensor, step_size: Tensor, bias2_sqrt: Tensor, eps: Tensor,
+    p: Tensor, grad: Tensor, avg: Tensor, avg_sq: Tensor, out: Tensor, decay: Tensor, avg_weight: Tensor,
+    beta2: Tensor, sq_weight: Tensor, step_size: Tensor, bias2_sqrt: Tensor, eps: Tensor,
 ) -> None:  # fmt: skip
-    """torch's fused AdamW in its order (decay, moments, then the step), the new master cast into ``out``."""
+    """torch's fused AdamW in its order (decay, moments, then the step), the new master cast into ``out``; the
+    scalars are float32, worked out in double first, as that kernel takes them."""
     p.mul_(decay)
-    avg.lerp_(grad, 1 - beta1)
-    avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
+    avg.lerp_(grad, avg_weight)
+    avg_sq.mul_(beta2).add_(grad * grad * sq_weight)
     p.sub_(step_size * avg / (avg_sq.sqrt() / bias2_sqrt + eps))
     out.copy_(p)
 
@@ -66,6 +67,9 @@ def run_compiled(kernel: Any, *args: Any) -> bool:
         while traced_elsewhere() and time.monotonic() < give_up:
             time.sleep(0.002)
         with torch.no_grad(), torch._C._DisableAutocast():
+            if not OnePass.same_modes():  # (a setting the kernel's guards read changed: it would compile again)
+                _adamw_and_cast(*args)
+                return True
             if not traced_elsewhere():
                 try:
                     kernel(*args)
@@ -95,6 +99,9 @@ class OnePass:
 
     enabled = True
     """Off: every update takes torch's step and a separate cast (a benchmark's comparison)."""
+    _modes: Any = None
+    """The process's and the compiling thread's settings that the kernel's guards read (matmul precision, default
+    dtype, thread count, ...), as compiled: a call under others would compile again, so it runs eagerly instead."""
     _kernel: Any = None
     _failed: str | None = None
     _waited_out = False
@@ -117,6 +124,11 @@ class OnePass:
         return decoupled or not group.get("weight_decay")
 
     @classmethod
+    def same_modes(cls) -> bool:
+        """Whether the calling thread's settings are those the kernel was compiled under (see :attr:`_modes`)."""
+        return cls._modes is None or cls._modes.check()
+
+    @classmethod
     def compile(cls, out_dtypes: Iterable[torch.dtype]) -> None:
         """Compile the kernel for casts into ``out_dtypes`` (a failure turns it off, with a warning)."""
         with cls._lock:
@@ -128,8 +140,11 @@ class OnePass:
                         cls._kernel = torch.compile(_adamw_and_cast, fullgraph=True, dynamic=True)
                     n = 67  # any length: dynamic, one kernel serves all
                     tensors = [torch.zeros(n) for _ in range(4)] + [torch.empty(n, dtype=dtype)]
-                    run_compiled(cls._kernel, *tensors, *_scalars(1e-3, 0.0, 0.9, 0.999, 1.0, 1e-8))
-                    cls._compiled.add(dtype)
+                    with torch.no_grad(), torch._C._DisableAutocast():
+                        guard = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+                        cls._modes = None if guard is None else guard.GlobalStateGuard()
+                    if not run_compiled(cls._kernel, *tensors, *_scalars(1e-3, 0.0, 0.9, 0.999, 1.0, 1e-8)):
+                        cls._compiled.add(dtype)  # (eager: another thread's trace outlasted the wait; not compiled)
                 except Exception as e:  # no C++ compiler, an Inductor failure: the two passes serve
                     cls._off(f"its compile failed ({type(e).__name__}: {e})")
 
@@ -149,10 +164,12 @@ class OnePass:
         off, which is said once)."""
         beta1, beta2 = (float(b) for b in group["betas"])
         key = (beta1, beta2, float(group["eps"]), out_dtype)
+        if key in cls._checked and cls._failed is None:
+            return cls._kernel  # (no lock: the optimizer thread never waits behind a check)
         with cls._lock:
             if cls._failed is not None or out_dtype not in cls._compiled:
                 return None
-            if key not in cls._checked:
+            if key not in cls._checked and len(cls._checked) < 16:  # (betas a schedule moves: the first 16)
                 try:
                     worst = _check(cls._kernel, beta1, beta2, float(group["eps"]), 0.01, out_dtype)
                 except Exception as e:
@@ -222,9 +239,10 @@ def step_and_cast(
 
 
 def _scalars(lr: float, weight_decay: float, beta1: float, beta2: float, step: float, eps: float) -> list[Tensor]:
-    """The kernel's scalar arguments, worked out in double precision as torch's fused kernel does."""
-    values = (1 - lr * weight_decay, beta1, beta2, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps)
-    return [torch.tensor(v, dtype=torch.float64) for v in values]
+    """The kernel's scalar arguments, worked out in double precision and passed as float32, as torch's fused kernel
+    does."""
+    values = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps)
+    return [torch.tensor(v, dtype=torch.float32) for v in values]
 
 
 def _check(
