@@ -10,17 +10,15 @@ import time
 import pytest
 import test_async
 import torch
-import torch.nn.functional as F
 from helpers import relative_error
 from test_async import batches, mlp, run_async, staleness_one_reference
-from test_resident import _update_began
+from test_resident import train_until_batch_five_fails
 
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice, one_pass
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
 from lightning_roundpipe.runtime.compiles import compilations
 from lightning_roundpipe.runtime.one_pass import OnePass, step_and_cast
-from lightning_roundpipe.runtime.updates import UpdateSpec
 
 
 @pytest.fixture(autouse=True)
@@ -257,20 +255,7 @@ def test_a_failure_in_the_next_batch_lets_the_one_pass_update_finish(monkeypatch
     )  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, double_buffer=True)
-    trace = engine.crew.record_trace()
-
-    def loss(a, b):
-        raise RuntimeError("the user's loss failed")
-
-    try:
-        with pytest.raises(RuntimeError, match="the user's loss failed"):
-            for t, ((x, y),) in enumerate(data):
-                if t == 4:
-                    _update_began(trace, 3)  # its gradients landed; 4 groups x 30 ms still to go
-                engine.train_batch(x, y, loss if t == 4 else F.mse_loss)
-                engine.submit_step(UpdateSpec.capture(opt))
-    finally:
-        engine.close()
+    train_until_batch_five_fails(engine, opt, data)  # 4 groups x 30 ms still to go when batch 5 fails
     assert engine.crew.optimizer.cut_short is None
     got = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert relative_error(got, want) <= 1e-5

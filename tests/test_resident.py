@@ -765,6 +765,13 @@ def test_a_failure_in_the_next_batch_lets_the_update_whose_gradients_landed_fini
     want = staleness_one_reference(model, data[:4])
     opt = _SlowAdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, optimizer_on=place)
+    train_until_batch_five_fails(engine, opt, data)
+    got = _flat(model)
+    assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+def train_until_batch_five_fails(engine: PipelineEngine, opt: torch.optim.Optimizer, data: list) -> None:
+    """Batches 0-4, the fifth's loss failing once update 3 began (its gradients landed, groups still to go)."""
     trace = engine.crew.record_trace()
 
     def loss(a, b):
@@ -774,13 +781,11 @@ def test_a_failure_in_the_next_batch_lets_the_update_whose_gradients_landed_fini
         with pytest.raises(RuntimeError, match="the user's loss failed"):
             for t, ((x, y),) in enumerate(data):
                 if t == 4:
-                    _update_began(trace, 3)  # its gradients landed; 4 groups x 30 ms still to go
+                    _update_began(trace, 3)
                 engine.train_batch(x, y, loss if t == 4 else F.mse_loss)
                 engine.submit_step(UpdateSpec.capture(opt))
     finally:
         engine.close()
-    got = _flat(model)
-    assert (got - want).norm() <= 1e-5 * want.norm()
 
 
 class _FailsBackward:
