@@ -246,8 +246,9 @@ for step in "${steps[@]}"; do
         --configs newcomer,newcomer-switch500 --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-switch.json" ;;
     host-compiled)  # issue 39: the host step's math and cast in one pass compiled for the CPU (30 bytes a parameter
-      # instead of 34). On one H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes; the first
-      # compile took about 75 s (a cold Inductor cache). About 150 s
+      # instead of 34). On one H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes, in this
+      # script's first form of the kernel; `compiled` now runs the engine's (runtime/one_pass.py), its build timed
+      # apart (`compiled-build`; about 75 s with a cold Inductor cache). Expected near 0.5 s again. About 150 s
       run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast \
         --out "$OUT/host-compiled.json" ;;
     onepass-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="all" with AdamW's math and cast in one compiled pass
