@@ -22,6 +22,7 @@ from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
+from lightning_roundpipe.runtime.one_pass import OnePass
 from lightning_roundpipe.runtime.placement import AUTO_SHARE, STATES_MOST, deepest_share, resident_bytes
 from lightning_roundpipe.runtime.resident import EDITED
 from lightning_roundpipe.runtime.shadow import wrapped_optimizer
@@ -92,6 +93,7 @@ def build_engine(
         memory_limit=memory_limit,
         double_buffer=options.double_buffer if asynchronous else "none",
         optimizer_on=place,
+        one_pass=_one_pass(options, optimizers),
     )
     if options.optimizer_on == "auto" and training:
         if engine.resident is not None:
@@ -100,6 +102,12 @@ def build_engine(
             why = why or _too_big(engine, workers, memory_limit)
             rank_zero_info(f"roundpipe: the optimizer's states in host memory (optimizer_on='auto': {why})")
     return engine
+
+
+def _one_pass(options: RoundPipeOptions, optimizers: Sequence[Any]) -> bool:
+    """Whether to compile the one-pass AdamW kernel (with ``double_buffer="all"``): not under ``compile=False``
+    (no Inductor wanted), nor for optimizers none of which can take it (once they are known)."""
+    return options.compile is not False and (not optimizers or any(OnePass.usable(o) for o in optimizers))
 
 
 @dataclass

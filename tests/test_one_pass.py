@@ -10,10 +10,11 @@ import time
 import pytest
 import test_async
 import torch
-from helpers import relative_error
+from helpers import BoringPipeline, fit, relative_error
 from test_async import batches, mlp, run_async, staleness_one_reference
 from test_resident import train_until_batch_five_fails
 
+from lightning_roundpipe import RoundPipeStrategy
 from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.runtime import WorkerDevice, one_pass
 from lightning_roundpipe.runtime import optimizer_worker as optimizer_module
@@ -279,3 +280,25 @@ def test_a_setting_changed_after_the_compile_runs_the_update_eagerly_and_compile
     assert compilations() == started
     assert calls[0] == 3 * 4 and eager[0] >= 3 * 8  # every parameter of every update (and the submission's check)
     assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+
+
+class _SgdPipeline(BoringPipeline):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("module", "compile_option", "compiles"),
+    [(BoringPipeline, "auto", True), (_SgdPipeline, "auto", False), (BoringPipeline, False, False)],
+)
+def test_the_strategy_compiles_the_kernel_only_for_an_optimizer_that_can_take_it(
+    monkeypatch, module, compile_option, compiles
+):
+    """Through ``Trainer`` with ``double_buffer="all"``: AdamW's engine compiles the kernel when built; SGD's does not
+    (no compile to wait for, no C++ compiler needed), nor does one under ``compile=False`` (no Inductor wanted)."""
+    asked = []
+    monkeypatch.setattr(OnePass, "compile", classmethod(lambda cls, dtypes: asked.append(set(dtypes))))
+    strategy = RoundPipeStrategy(num_microbatches=2, double_buffer="all", compile=compile_option)
+    fit(module, dict(strategy=strategy, accelerator="cpu", devices=2, max_steps=2))
+    assert bool(asked) == compiles

@@ -73,6 +73,8 @@ class PipelineEngine:
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
         optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device:
             :mod:`~lightning_roundpipe.runtime.resident`), ``"auto"`` (there where they fit) or a share in (0, 1).
+        one_pass: with ``double_buffer="all"``, compile AdamW's one-pass kernel when built
+            (:mod:`~lightning_roundpipe.runtime.one_pass`); ``False`` where the optimizer cannot take it.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class PipelineEngine:
         memory_limit: float | None = None,
         double_buffer: bool | str = False,
         optimizer_on: str | float = "host",
+        one_pass: bool = True,
     ) -> None:
         self.layers, self.devices = list(layers), list(devices)
         self.num_workers = len(self.devices)
@@ -117,14 +120,10 @@ class PipelineEngine:
             self.layers, self.devices, self.store, self.pool, self.plan, self.base_seed, autocast_dtype, overlap,
             max_inflight, asynchronous,
         )  # fmt: skip
-        for group in self.store.groups:  # weights, first gradient writes and the device's masters travel by DMA
-            own = group.trainable and group.data.data_ptr() != group.compute.data_ptr()  # (not one buffer)
-            for tensor in (group.compute, group.grad, group.data if own and self.resident is not None else None):
-                if tensor is not None:
-                    self.pool.register(tensor)
+        _register_for_dma(self.store, self.pool, self.resident is not None)
         self.steps = StepChain(
             self.store, self.pool, self.crew.abort, self.crew.optimizer, self.crew.fail, self.plan,
-            buffers, frozenset() if self.resident is None else self.resident.held,  # (held: two copies there)
+            buffers, frozenset() if self.resident is None else self.resident.held, one_pass,  # (held: two copies)
         )  # fmt: skip
         self.crew.when_aborted(self.steps.open_gates)
         self.recovery = Recovery(self.planner, self.steps, self.store, self.crew)
@@ -346,6 +345,15 @@ class PipelineEngine:
                 warnings.warn(f"roundpipe threads did not stop in time: {stuck}", stacklevel=2)
             else:
                 self.pool.close()
+
+
+def _register_for_dma(store: HostStore, pool: HostPool, resident: bool) -> None:
+    """Page-lock what travels by DMA: the weights, the first gradient writes and (states on the device) the masters."""
+    for group in store.groups:
+        own = group.trainable and group.data.data_ptr() != group.compute.data_ptr()  # (not one buffer)
+        for tensor in (group.compute, group.grad, group.data if own and resident else None):
+            if tensor is not None:
+                pool.register(tensor)
 
 
 def _check_arguments(

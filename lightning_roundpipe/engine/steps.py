@@ -46,6 +46,7 @@ class StepChain:
         double_buffer: one of :data:`DOUBLE_BUFFERS`: spare compute copies of every trainable group, of
             the plan's first slot's (grown at a step's start when the plan changes), or none.
         held: groups whose states the device holds (their two copies there are what double buffering gives).
+        one_pass: with ``"all"``, compile the one-pass kernel (:mod:`~lightning_roundpipe.runtime.one_pass`) now.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class StepChain:
         plan: StagePlan,
         double_buffer: str = "none",
         held: frozenset[int] = frozenset(),
+        one_pass: bool = True,
     ) -> None:
         self.store, self.pool, self.abort, self.optimizer, self.fail = store, pool, abort, optimizer, fail
         self.double_buffer, self.held = double_buffer, held
@@ -73,7 +75,7 @@ class StepChain:
         self._slot_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         if double_buffer == "all":
             store.add_spares([g for g in self.trainable if g not in held], prepare=pool.register)
-            if optimizer is not None:  # AdamW's math and cast in one pass: compiled before any batch runs
+            if optimizer is not None and one_pass:  # AdamW's math and cast in one pass: compiled before any batch
                 OnePass.compile(self._cast_dtypes())
         elif double_buffer == "first":  # no batch yet: any time is right
             store.add_spares([g for g in self.slot_groups(plan)[0] if g not in held], prepare=pool.register)
