@@ -79,8 +79,8 @@ def run_compiled(kernel: Any, *args: Any) -> bool:
                 except RuntimeError as e:  # the trace began since the look: refused before any work
                     if not (traced_elsewhere() or "symbolically trace" in str(e)):
                         raise
-                    if time.monotonic() < give_up:
-                        continue
+            if time.monotonic() < give_up:  # (a trace begun since the wait: wait again)
+                continue
             if not OnePass._waited_out:
                 OnePass._waited_out = True
                 warnings.warn(
