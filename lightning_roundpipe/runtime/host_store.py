@@ -147,26 +147,16 @@ class HostStore:
         self._refresh(group)
         return refs
 
-    def refresh_group(self, index: int, step: int = 0) -> None:
+    def refresh_group(self, index: int, step: int = 0, copy: bool = True) -> None:
         """Cast one group's master into the compute copy step ``step`` reads (the asynchronous
-        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity)."""
+        optimizer's per-layer cast of update ``step - 2``, or ``step``: same parity). ``copy=False``: that
+        copy (:meth:`reads`) took the master by other means (the update's one-pass kernel)."""
         group = self.groups[index]
         if group.spare is not None and step % 2:
-            group.spare.copy_(group.data)
+            if copy:
+                group.spare.copy_(group.data)
             return
-        self._refresh(group)
-
-    def cast_target(self, index: int, step: int) -> Tensor:
-        """The compute copy that :meth:`refresh_group` writes for ``step``."""
-        group = self.groups[index]
-        return group.spare if group.spare is not None and step % 2 else group.compute
-
-    def cast_written(self, index: int, step: int) -> None:
-        """:meth:`cast_target` took the master by other means (the update's one-pass kernel)."""
-        group = self.groups[index]
-        if group.spare is None or not step % 2:
-            group.synced_version = group.version()
-            group.dirty = False
+        self._refresh(group, copy)
 
     def add_spares(
         self, groups: Iterable[int] | None = None, prepare: Callable[[Tensor], Any] | None = None
@@ -189,8 +179,8 @@ class HostStore:
         group = self.groups[index]
         return group.spare if group.spare is not None and step % 2 else group.compute
 
-    def _refresh(self, group: FlatGroup) -> None:
-        if group.compute is not group.data:
+    def _refresh(self, group: FlatGroup, copy: bool = True) -> None:
+        if copy and group.compute is not group.data:
             group.compute.copy_(group.data)
         group.synced_version = group.version()
         group.dirty = False

@@ -225,6 +225,7 @@ def step_and_cast(
     parameter's state is the optimizer's own (created as torch creates it). Returns how many ran in eager torch
     (another thread's trace outlasted :data:`WAIT_LIMIT_S`)."""
     eager = 0
+    made: dict[tuple[float, ...], list[Tensor]] = {}  # one set of scalars for the group's parameters, not one each
     for p, group, grad, out in items:
         state = optimizer.state[p]
         if not state:
@@ -233,8 +234,15 @@ def step_and_cast(
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
         beta1, beta2 = (float(b) for b in group["betas"])
-        lr, decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
-        scalars = _scalars(lr, decay, beta1, beta2, float(state["step"]), eps)
+        key = (
+            float(group["lr"]),
+            float(group["weight_decay"]),
+            beta1,
+            beta2,
+            float(state["step"]),
+            float(group["eps"]),
+        )
+        scalars = made[key] if key in made else made.setdefault(key, _scalars(*key))
         args = (p.detach().view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), out)
         eager += run_compiled(kernel, *args, *scalars)
     return eager

@@ -80,7 +80,6 @@ class OptimizerWorker:
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
-        self._cast_in_math: set[int] = set()  # the running update's groups cast by the one-pass kernel
         self.eager_one_pass = 0  # parameters whose one-pass update ran eagerly: another thread was tracing
         self.resident: ResidentStates | None = None
         """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
@@ -153,7 +152,6 @@ class OptimizerWorker:
     # ------------------------------------------------------------------ one update
     def _run(self, job: UpdateJob) -> None:
         groups = job.groups
-        self._cast_in_math = set()
         if (resident := self.resident) is not None:  # the device updates and casts its groups; a resumed cast
             groups = [g for g in job.groups if g not in resident.held]  # comes with its states
             if job.spec is not None:
@@ -177,7 +175,7 @@ class OptimizerWorker:
             return
         # double-buffered groups: step k + 2's copy was last read by step k, whose gradients the math
         # just used, so cast now; the others wait until step k + 1 no longer reads their one copy
-        spare = [g for g in groups if self.store.groups[g].spare is not None and g not in self._cast_in_math]
+        spare = [g for g in groups if self.store.groups[g].spare is not None and not job.cast_done[g].happened()]
         single = [g for g in groups if self.store.groups[g].spare is None]
         for g in spare:
             for flight in job.window.flights if job.window is not None else ():
@@ -192,10 +190,7 @@ class OptimizerWorker:
 
     def _cast(self, job: UpdateJob, g: int, done: bool = False) -> None:
         """Cast update k into the copy step k + 2 reads (``done``: the one-pass kernel did)."""
-        if done:
-            self.store.cast_written(g, job.step + 2)
-        else:
-            self.store.refresh_group(g, job.step + 2)
+        self.store.refresh_group(g, job.step + 2, copy=not done)
         job.cast_done[g].set()
         if self.trace is not None:
             self.trace.append(("cast", job.step, g, time.perf_counter()))
@@ -317,15 +312,14 @@ class OptimizerWorker:
     def _step_and_cast(self, shadow: Shadow, job: UpdateJob, g: int) -> bool:
         """Update a double-buffered group and cast it into the copy step ``k + 2`` reads in one pass
         (:mod:`~lightning_roundpipe.runtime.one_pass`) where its optimizer and settings allow; whether it did."""
-        out = self.store.cast_target(g, job.step + 2)
+        out = self.store.reads(g, job.step + 2)
         planned = (
             job.one_pass and self.exchange is None and one_pass_items(self.store.groups[g], shadow, self._grad(g), out)
         )
         if not planned or not _released(job, g):
             return False  # (aborted: torch's step finishes the math, so an update whose gradients landed ends whole)
         self.eager_one_pass += step_and_cast(*planned, shadow.optimizer)
-        self._cast_in_math.add(g)
-        self._cast(job, g, True)
+        self._cast(job, g, True)  # (its gate, set here, keeps it out of the casts after the math)
         return True
 
     def _shadow(self, optimizer: torch.optim.Optimizer) -> Shadow:
