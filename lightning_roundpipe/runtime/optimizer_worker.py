@@ -312,14 +312,18 @@ class OptimizerWorker:
     def _step_and_cast(self, shadow: Shadow, job: UpdateJob, g: int) -> bool:
         """Update a double-buffered group and cast it into the copy step ``k + 2`` reads in one pass
         (:mod:`~lightning_roundpipe.runtime.one_pass`) where its optimizer and settings allow; whether it did."""
-        out = self.store.reads(g, job.step + 2)
-        planned = (
-            job.one_pass and self.exchange is None and one_pass_items(self.store.groups[g], shadow, self._grad(g), out)
-        )
-        if not planned or not _released(job, g):
-            return False  # (aborted: torch's step finishes the math, so an update whose gradients landed ends whole)
+        group, out = self.store.groups[g], self.store.reads(g, job.step + 2)
+        planned = job.one_pass and self.exchange is None and one_pass_items(group, shadow, self._grad(g), out)
+        if not planned:
+            return False
+        released = _released(job, g)
+        if not released:  # aborted, the copy perhaps still read: the kernel casts into a scratch copy instead, so
+            scratch = torch.empty_like(out)  # the masters take the bits of a run without the failure
+            if not (planned := one_pass_items(group, shadow, self._grad(g), scratch)):
+                return False
         self.eager_one_pass += step_and_cast(*planned, shadow.optimizer)
-        self._cast(job, g, True)  # (its gate, set here, keeps it out of the casts after the math)
+        if released:  # (its gate, set here, keeps it out of the casts after the math; aborted, none is cast)
+            self._cast(job, g, True)
         return True
 
     def _shadow(self, optimizer: torch.optim.Optimizer) -> Shadow:
