@@ -259,6 +259,15 @@ for step in "${steps[@]}"; do
       run onepass-24gib 420 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-db,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 200 \
         --out "$OUT/onepass-24gib.json" ;;
+    auto-db-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="auto" (spares where the host holds them, so AdamW's
+      # math and cast run in one compiled pass; a candidate default) against the same spares in two passes
+      # (newcomer-db-twopass) and the defaults (no spares: 23,295 real tokens/s on the H200 on 2026-12-07).
+      # Expected: newcomer-dbauto 27-29k with double_buffer "all", one_pass.off_because null and its compile_s
+      # (the first config pays a cold Inductor cache); the other two near 23k. Written 2026-12-07 (31st), not yet
+      # run: no machine was lent. About 420 s
+      run auto-db-24gib 560 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 240 \
+        --out "$OUT/auto-db-24gib.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,
       # 35-45k real tokens/s (SGD's 0.5 s host step gave 30,074; the devices' own step about 0.32 s), its losses equal

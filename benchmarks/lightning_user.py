@@ -35,7 +35,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
 - ``newcomer-db``: ``RoundPipeStrategy(double_buffer="all")`` (a spare compute copy per weight: an update is
   cast as soon as its math is done, not after the step's last read of the copy; AdamW's math and that cast then
   run in one pass, ``runtime/one_pass.py``); ``newcomer-db-twopass``: the same with torch's AdamW and a separate
-  cast (``OnePass.enabled`` off);
+  cast (``OnePass.enabled`` off); ``newcomer-dbauto``: ``double_buffer="auto"`` (``"all"`` where the spares fit
+  the host, as the JSON's ``double_buffer`` and ``spares`` say);
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
 - ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
   blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
@@ -502,6 +503,8 @@ def strategy_for(
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
     if config in ("newcomer-db", "newcomer-db-twopass"):
         return RoundPipeStrategy(double_buffer="all"), False
+    if config == "newcomer-dbauto":  # spares where the host holds them (a candidate default, issue 39)
+        return RoundPipeStrategy(double_buffer="auto"), False
     if config == "newcomer-sync":
         return RoundPipeStrategy(async_optimizer=False), False
     if config == "newcomer-split":
@@ -516,7 +519,8 @@ def strategy_for(
     raise ValueError(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
-        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-db-twopass, newcomer-gmFRACTION,"
+        " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-db-twopass, newcomer-dbauto,"
+        " newcomer-gmFRACTION,"
         " newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-uppool, newcomer-noahead, newcomer-whole,"
         " newcomer-nowhole, newcomer-autoshare,"
@@ -935,8 +939,11 @@ class _Remember(L.Callback):
                 "enabled": OnePass.enabled,
                 "off_because": OnePass._failed,
                 "checked": len(OnePass._checked),
+                "compile_s": OnePass.compile_s,  # at the engine's build (a cold Inductor cache compiles C++)
                 "eager_calls": getattr(engine.crew.optimizer, "eager_one_pass", None),  # while a compile traced
             },
+            "double_buffer": engine.steps.double_buffer,  # "auto" as the engine took it
+            "spares": sum(g.spare is not None for g in engine.store.groups),
             "store_bytes_per_param": engine.store.nbytes() / max(1, engine.store.num_parameters),
             "pinned_gib": engine.pool.pinned_bytes / GiB,
             "cache_releases": engine.caches.releases,

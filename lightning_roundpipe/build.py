@@ -18,7 +18,7 @@ from lightning_roundpipe.engine import PipelineEngine
 from lightning_roundpipe.engine.planner import unchanged
 from lightning_roundpipe.engine.state import engine_state
 from lightning_roundpipe.host_optimizer import check_coupling, check_host_step, needs_a_gpu, use_fused_kernels
-from lightning_roundpipe.memory import check_host_memory, estimate_host_memory
+from lightning_roundpipe.memory import check_host_memory, estimate_host_memory, fits_host
 from lightning_roundpipe.options import RoundPipeOptions, device_memory_limit
 from lightning_roundpipe.runtime.callers import outside_package
 from lightning_roundpipe.runtime.device import CudaWorkerDevice, WorkerDevice, expandable_segments
@@ -63,9 +63,8 @@ def build_engine(
     trainable = next((p for p in params if p.requires_grad), None)
     size = trainable.element_size() if trainable is not None else 4
     state_bytes = 2.0 * size / num_nodes if training else 0.0  # AdamW's two moments, sharded over nodes
-    estimate = estimate_host_memory(
-        params, compute_dtype, asynchronous, state_bytes, double_buffer=options.double_buffer
-    )
+    buffering = _double_buffer(options.double_buffer, params, compute_dtype, asynchronous, state_bytes)
+    estimate = estimate_host_memory(params, compute_dtype, asynchronous, state_bytes, double_buffer=buffering)
     if options.host_memory_check:  # refuse now, with the numbers, rather than be killed halfway
         leaner = {}
         if asynchronous:  # no separate compute copy where no cast is needed (bf16-true, 32-true)
@@ -91,7 +90,7 @@ def build_engine(
         check_every=options.check_every,
         replan_margin=options.replan_margin,
         memory_limit=memory_limit,
-        double_buffer=options.double_buffer if asynchronous else "none",
+        double_buffer=buffering,
         optimizer_on=place,
         one_pass=_one_pass(options, optimizers),
     )
@@ -102,6 +101,25 @@ def build_engine(
             why = why or _too_big(engine, workers, memory_limit)
             rank_zero_info(f"roundpipe: the optimizer's states in host memory (optimizer_on='auto': {why})")
     return engine
+
+
+def _double_buffer(
+    given: str, params: list[nn.Parameter], compute_dtype: torch.dtype | None, asynchronous: bool, state_bytes: float
+) -> str:
+    """``double_buffer`` as the engine takes it: ``"auto"`` is ``"all"`` where the spares (a compute copy per
+    trainable weight) fit the host beside the rest, else ``"none"``, said once; synchronous steps have none."""
+    if not asynchronous:
+        return "none"
+    if given != "auto":
+        return given
+    spares = estimate_host_memory(params, compute_dtype, asynchronous, state_bytes, double_buffer="all")
+    if fits_host(spares):
+        return "all"
+    rank_zero_info(
+        f"roundpipe: no spare compute copies (double_buffer='auto'): their {spares.compute_copies / 2 / 2**30:.2f}"
+        " GiB would not fit the host beside the rest; each update's cast waits for the next step's last read"
+    )
+    return "none"
 
 
 def _one_pass(options: RoundPipeOptions, optimizers: Sequence[Any]) -> bool:

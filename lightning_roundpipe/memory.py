@@ -121,6 +121,11 @@ def estimate_host_memory(
     return HostMemoryEstimate(trainable, frozen, masters, grads, compute, states, activation_bytes)
 
 
+def fits_host(estimate: HostMemoryEstimate, margin: float = 0.95) -> bool:
+    """Whether a run's new host allocations fit ``margin`` of what the host has available."""
+    return estimate.new <= margin * available_host_memory()
+
+
 def check_host_memory(
     estimate: HostMemoryEstimate, margin: float = 0.95, leaner: dict[str, HostMemoryEstimate] | None = None
 ) -> None:

@@ -90,7 +90,10 @@ class RoundPipeOptions:
     stage waits for the cast of its weights, which the current step's last backward stage reads until
     the end: 12-18% of a step measured on 2 GPUs (docs/perf-notes.md). ``"all"`` or ``True``: every
     trainable weight (+2 bytes per trainable parameter in bf16); ``"first"``: only those of the plan's
-    first stage; ``False``."""
+    first stage; ``"auto"``: ``"all"`` where the spares fit the host beside the rest (groups whose states the GPU
+    holds need none), else none, with a log line; ``False``. With ``"all"`` AdamW's host math and cast run in one
+    compiled pass (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default until measured
+    through ``Trainer`` (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
     host_memory_check: bool = True
     """Before building the engine, estimate the host memory the run needs (model states with AdamW-sized
     optimizer states, :func:`~lightning_roundpipe.estimate_host_memory`) and refuse with the table if it
@@ -173,8 +176,10 @@ class RoundPipeOptions:
             raise ValueError(f"RoundPipeStrategy(hf_stages={self.hf_stages!r}) must be one of {HF_STAGES}")
         compile_options(self.compile)
         self.gpu_memory = parse_memory(self.gpu_memory)
-        given, self.double_buffer = self.double_buffer, double_buffering(self.double_buffer)
-        if self.double_buffer != "none" and not self.async_optimizer:
+        given = self.double_buffer
+        if given != "auto":
+            self.double_buffer = double_buffering(given)
+        if self.double_buffer not in ("none", "auto") and not self.async_optimizer:
             raise ValueError(
                 f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
                 " weight casts; it needs async_optimizer=True"

@@ -70,7 +70,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
         overlap: weight and gradient copies: ``"priority"``, ``"simple"`` or ``"none"``.
         gpu_memory: what a plan may use per device: a fraction (``0.8``), bytes or ``"24GiB"``.
         async_optimizer: the host optimizer steps while the devices compute the next step (staleness 1).
-        double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"`` or ``False``.
+        double_buffer: a second compute copy of the weights: ``"all"``/``True``, ``"first"``, ``"auto"`` or ``False``.
         optimizer_on: the asynchronous optimizer's states and steps on the ``"host"``, the one GPU
             (``"device"``), or ``"auto"``: the GPU where they take at most half of ``gpu_memory`` and the optimizer
             is one of ``torch.optim``'s; a share in (0, 1): that share of the states (the deepest layers') on the GPU.

@@ -135,3 +135,62 @@ def test_the_refusal_names_the_synchronous_optimizer_when_that_would_fit(monkeyp
     with pytest.raises(MemoryError) as refused:
         build_engine(layers, devices, RoundPipeOptions(), None, asynchronous=True, training=True)
     assert "which fits" not in str(refused.value) and "bf16-true" in str(refused.value)
+
+
+@pytest.mark.timeout(60)
+def test_double_buffer_auto_gives_spare_compute_copies_where_the_host_holds_them(monkeypatch, caplog):
+    """``double_buffer="auto"``: with the asynchronous optimizer every trainable group gets a spare
+    compute copy where the host holds them beside the rest (AdamW's math and cast then run in one pass, compiled
+    when the engine is built); where only the rest fits, none, said in the log; synchronous steps have none."""
+    import logging
+
+    import lightning_roundpipe.memory as memory
+    from lightning_roundpipe.build import build_engine
+    from lightning_roundpipe.options import RoundPipeOptions
+    from lightning_roundpipe.runtime.one_pass import OnePass
+
+    compiled = []
+    monkeypatch.setattr(OnePass, "compile", classmethod(lambda cls, dtypes: compiled.append(set(dtypes))))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+
+    def built(asynchronous: bool = True) -> tuple[str, int]:
+        engine = build_engine(
+            list(model.children()), [torch.device("cpu")], RoundPipeOptions(double_buffer="auto"), torch.bfloat16,
+            asynchronous, True,
+        )  # fmt: skip
+        try:
+            return engine.steps.double_buffer, sum(g.spare is not None for g in engine.store.groups)
+        finally:
+            engine.close()
+
+    assert built() == ("all", 2) and compiled == [{torch.bfloat16}]
+    assert built(asynchronous=False) == ("none", 0) and len(compiled) == 1
+    without = estimate_host_memory(model, torch.bfloat16, True, 8)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: int((without.new + 64) / 0.95))
+    with caplog.at_level(logging.INFO):
+        assert built() == ("none", 0) and len(compiled) == 1
+    assert any("no spare compute copies (double_buffer='auto')" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="needs async_optimizer=True"):
+        RoundPipeOptions(async_optimizer=False, double_buffer="all")
+    assert RoundPipeOptions(async_optimizer=False, double_buffer="auto").double_buffer == "auto"  # ("none" built)
+
+
+@pytest.mark.timeout(60)
+def test_no_one_pass_compile_where_the_gpu_holds_every_state(monkeypatch):
+    """With every optimizer state on the device no group has a spare (the device's two copies are what double
+    buffering gives), so no kernel is compiled for the host (on a full card "auto" compiles nothing for it)."""
+    from lightning_roundpipe.runtime.one_pass import OnePass
+
+    compiled = []
+    monkeypatch.setattr(OnePass, "compile", classmethod(lambda cls, dtypes: compiled.append(set(dtypes))))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for place, spares in (("device", 0), ("host", 2)):
+        engine = PipelineEngine(
+            list(model.children()), [WorkerDevice("cpu", 0)], asynchronous=True, double_buffer="all",
+            optimizer_on=place,
+        )  # fmt: skip
+        try:
+            assert sum(g.spare is not None for g in engine.store.groups) == spares
+        finally:
+            engine.close()
+        assert len(compiled) == (spares > 0)

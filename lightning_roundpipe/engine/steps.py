@@ -74,8 +74,9 @@ class StepChain:
         self._job_gates: list[Gate] = []
         self._slot_groups: dict[StagePlan, dict[int, tuple[int, ...]]] = {}
         if double_buffer == "all":
-            store.add_spares([g for g in self.trainable if g not in held], prepare=pool.register)
-            if optimizer is not None and one_pass:  # AdamW's math and cast in one pass: compiled before any batch
+            spared = [g for g in self.trainable if g not in held]
+            store.add_spares(spared, prepare=pool.register)
+            if optimizer is not None and one_pass and spared:  # AdamW's math and cast in one pass, before any batch
                 OnePass.compile(self._cast_dtypes())
         elif double_buffer == "first":  # no batch yet: any time is right
             store.add_spares([g for g in self.slot_groups(plan)[0] if g not in held], prepare=pool.register)

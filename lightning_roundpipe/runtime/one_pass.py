@@ -107,6 +107,8 @@ class OnePass:
     _kernel: Any = None
     _failed: str | None = None
     _waited_out = False
+    compile_s = 0.0
+    """Seconds the process spent in :meth:`compile` (a cold Inductor cache compiles C++; a warm one loads it)."""
     _compiled: set[torch.dtype] = set()
     _checked: set[tuple[Any, ...]] = set()
     _lock = threading.Lock()
@@ -133,6 +135,7 @@ class OnePass:
     @classmethod
     def compile(cls, out_dtypes: Iterable[torch.dtype]) -> None:
         """Compile the kernel for casts into ``out_dtypes`` (a failure turns it off, with a warning)."""
+        start = time.perf_counter()
         with cls._lock:
             for dtype in out_dtypes:
                 if not cls.enabled or cls._failed is not None or dtype in cls._compiled:
@@ -149,6 +152,7 @@ class OnePass:
                         cls._compiled.add(dtype)  # (eager: another thread's trace outlasted the wait; not compiled)
                 except Exception as e:  # no C++ compiler, an Inductor failure: the two passes serve
                     cls._off(f"its compile failed ({type(e).__name__}: {e})")
+            cls.compile_s += time.perf_counter() - start
 
     @classmethod
     def ready(cls, optimizer: torch.optim.Optimizer, out_dtypes: Iterable[torch.dtype]) -> bool:
