@@ -178,8 +178,7 @@ class OptimizerWorker:
         spare = [g for g in groups if self.store.groups[g].spare is not None and not job.cast_done[g].happened()]
         single = [g for g in groups if self.store.groups[g].spare is None]
         for g in spare:
-            for flight in job.window.flights if job.window is not None else ():
-                flight.wait_uploaded(g)
+            _wait_released(job, g)
             self._cast(job, g)
         if single:
             job.next_window.closed.wait()
@@ -344,12 +343,16 @@ class OptimizerWorker:
             shadow.sync.to_host()
 
 
+def _wait_released(job: UpdateJob, g: int) -> None:
+    """Wait until step k no longer reads the copy update k is cast into (done before its last gradient, mostly)."""
+    for flight in job.window.flights if job.window is not None else ():
+        flight.wait_uploaded(g)
+
+
 def _released(job: UpdateJob, g: int) -> bool:
-    """Wait until step k no longer reads the copy update k is cast into (done before its last gradient, mostly);
-    ``False`` after an abort."""
+    """:func:`_wait_released`; ``False`` after an abort."""
     try:
-        for flight in job.window.flights if job.window is not None else ():
-            flight.wait_uploaded(g)
+        _wait_released(job, g)
     except PipelineAborted:
         return False
     return True
