@@ -32,7 +32,8 @@
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
-#        host-compiled (issue 39: the host step in one compiled pass) onepass-24gib (that pass through Trainer) memory-24gib memory-24gib-fixed (issue 39: the
+#        host-compiled (issue 39: the host step in one compiled pass) onepass-24gib (that pass through Trainer)
+#        auto-db-24gib (double_buffer="auto" against the defaults) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)
 #        defaults-8 defaults-rest (issue 39: optimizer_on="auto" the default) mirror (the masters' copy to the host)
@@ -265,8 +266,8 @@ for step in "${steps[@]}"; do
       # Expected: newcomer-dbauto 27-29k with double_buffer "all", one_pass.off_because null and its compile_s
       # (the first config pays a cold Inductor cache); the other two near 23k. Written 2026-12-07 (31st), not yet
       # run: no machine was lent. About 420 s
-      run auto-db-24gib 560 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
-        --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 240 \
+      run auto-db-24gib 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 190 \
         --out "$OUT/auto-db-24gib.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,

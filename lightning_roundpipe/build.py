@@ -106,8 +106,9 @@ def build_engine(
 def _double_buffer(
     given: str, params: list[nn.Parameter], compute_dtype: torch.dtype | None, asynchronous: bool, state_bytes: float
 ) -> str:
-    """``double_buffer`` as the engine takes it: ``"auto"`` is ``"all"`` where the spares (a compute copy per
-    trainable weight) fit the host beside the rest, else ``"none"``, said once; synchronous steps have none."""
+    """``double_buffer`` as the engine takes it: ``"auto"`` is ``"all"`` where spares (a compute copy per trainable
+    weight, held groups' counted too) fit the host beside the rest, else ``"none"``, said in the log; synchronous
+    steps have none. A rebuild carries the first engine's answer (:func:`_rebuilt`)."""
     if not asynchronous:
         return "none"
     if given != "auto":
@@ -257,9 +258,11 @@ def _rebuilt(engine: PipelineEngine, arguments: EngineArguments) -> PipelineEngi
     engine.store.release()  # only the masters stay (they are the parameters): the new store copies them
     for device in engine.devices:  # the old plan's cached blocks: the new engine's (every state on an H100 80GB
         device.release_cached()  # beside another plan) reused some and grew the reserve 2.5 GiB past the limit
-    precision = arguments.precision
+    precision, options = arguments.precision, arguments.options
+    if options.double_buffer == "auto":  # as first decided: the states the estimate counts exist by now, so the
+        options = replace(options, double_buffer=engine.steps.double_buffer)  # host would seem to hold less
     again = build_engine(
-        arguments.layers, arguments.devices, arguments.options, precision.compute_dtype, engine.asynchronous, True,
+        arguments.layers, arguments.devices, options, precision.compute_dtype, engine.asynchronous, True,
         arguments.num_nodes, precision.autocast_dtype, arguments.optimizers,
     )  # fmt: skip
     use_fused_kernels(list(arguments.optimizers), calibrate=False)  # a group added for the unfrozen parameters

@@ -6,7 +6,7 @@ Every message quotes the user's own call (``RoundPipeStrategy(...)``) and says w
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -90,10 +90,12 @@ class RoundPipeOptions:
     stage waits for the cast of its weights, which the current step's last backward stage reads until
     the end: 12-18% of a step measured on 2 GPUs (docs/perf-notes.md). ``"all"`` or ``True``: every
     trainable weight (+2 bytes per trainable parameter in bf16); ``"first"``: only those of the plan's
-    first stage; ``"auto"``: ``"all"`` where the spares fit the host beside the rest (groups whose states the GPU
-    holds need none), else none, with a log line; ``False``. With ``"all"`` AdamW's host math and cast run in one
-    compiled pass (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default until measured
-    through ``Trainer`` (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
+    first stage; ``"auto"``: ``"all"`` where spares for every trainable weight would fit the host beside the rest
+    (groups whose states the GPU holds get none all the same), else none, with a log line; decided when the engine
+    is first built and kept through its rebuilds; ``False``. With ``"all"``, ``torch.optim.Adam``/``AdamW``'s host
+    math and cast run in one compiled pass over fp32 masters on one node, not under ``compile=False``
+    (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default until measured through
+    ``Trainer`` (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
     host_memory_check: bool = True
     """Before building the engine, estimate the host memory the run needs (model states with AdamW-sized
     optimizer states, :func:`~lightning_roundpipe.estimate_host_memory`) and refuse with the table if it
@@ -178,7 +180,13 @@ class RoundPipeOptions:
         self.gpu_memory = parse_memory(self.gpu_memory)
         given = self.double_buffer
         if given != "auto":
-            self.double_buffer = double_buffering(given)
+            try:
+                self.double_buffer = double_buffering(given)
+            except ValueError:
+                raise ValueError(
+                    f"RoundPipeStrategy(double_buffer={given!r}) must be 'all' (or True), 'first', 'auto' or 'none'"
+                    " (or False)"
+                ) from None
         if self.double_buffer not in ("none", "auto") and not self.async_optimizer:
             raise ValueError(
                 f"RoundPipeStrategy(double_buffer={given!r}) double-buffers the asynchronous optimizer's"
@@ -205,6 +213,11 @@ class RoundPipeOptions:
                 f"RoundPipeStrategy(check_every={self.check_every}, replan_margin={self.replan_margin}):"
                 " check_every must be at least 0 and replan_margin above 0"
             )
+
+    def synchronous(self) -> RoundPipeOptions:
+        """These options for a fit whose steps must run on the main thread: no asynchronous optimizer, nor what is
+        its alone (the states on the GPU, spare compute copies: kept, the options would refuse themselves)."""
+        return replace(self, async_optimizer=False, optimizer_on="host", double_buffer=False)
 
 
 def _timeout(timeout: timedelta | float) -> timedelta:

@@ -193,7 +193,7 @@ class RoundPipeStrategy(_processes.NodeProcesses):  # type: ignore[misc,valid-ty
             why = self.async_optimizer and needs_main_thread(self.lightning_module, self.optimizers, _is_overridden)
             if why:  # a hook or an optimizer the optimizer thread cannot serve
                 rank_zero_warn(why)
-                self.options = dataclasses.replace(self.options, async_optimizer=False, optimizer_on="host")
+                self.options = self.options.synchronous()
         self._setup_engine(trainer, training=fitting)
         if fitting:
             check_optimizers(self.optimizers, self.engine, self._nodes.count, self.async_optimizer)

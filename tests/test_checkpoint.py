@@ -179,7 +179,7 @@ def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_b
 def test_double_buffer_needs_the_asynchronous_optimizer():
     with pytest.raises(ValueError, match="async_optimizer=True"):
         RoundPipeStrategy(async_optimizer=False, double_buffer=True)
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match=r"must be .all. \(or True\), .first., .auto. or .none."):
         RoundPipeStrategy(double_buffer="both")
 
 

@@ -194,3 +194,34 @@ def test_no_one_pass_compile_where_the_gpu_holds_every_state(monkeypatch):
         finally:
             engine.close()
         assert len(compiled) == (spares > 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_rebuilt_engine_keeps_the_first_engines_answer_to_double_buffer_auto(monkeypatch):
+    """A rebuild (layers unfrozen, the states moved, a checkpoint loaded mid-run) counts states that exist by then
+    as still to come: deciding ``"auto"`` again there could drop the spares mid-run (and with them the one pass's
+    rounding) on a host that held them. The rebuilt engine takes the first engine's answer."""
+    from types import SimpleNamespace
+
+    import lightning_roundpipe.build as build
+    from lightning_roundpipe.options import RoundPipeOptions
+    from lightning_roundpipe.runtime.one_pass import OnePass
+
+    monkeypatch.setattr(OnePass, "compile", classmethod(lambda cls, dtypes: None))
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    layers, devices = list(model.children()), [torch.device("cpu")]
+    options = RoundPipeOptions(double_buffer="auto")
+    engine = build.build_engine(layers, devices, options, torch.bfloat16, True, True)
+    assert engine.steps.double_buffer == "all"
+    monkeypatch.setattr(build, "fits_host", lambda estimate: False)  # what a second decision would now say
+    precision = SimpleNamespace(compute_dtype=torch.bfloat16, autocast_dtype=None)
+    again = build._rebuilt(engine, build.EngineArguments(layers, devices, options, precision, [], 1))
+    try:
+        assert again.steps.double_buffer == "all" and sum(g.spare is not None for g in again.store.groups) == 2
+    finally:
+        again.close()
+    fresh = build.build_engine(layers, devices, options, torch.bfloat16, True, True)  # (a first build decides)
+    try:
+        assert fresh.steps.double_buffer == "none"
+    finally:
+        fresh.close()

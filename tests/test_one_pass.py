@@ -256,17 +256,20 @@ def test_a_failure_in_the_next_batch_lets_the_one_pass_update_finish_with_the_bi
     make = lambda params, kind="adamw": torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)  # noqa: E731
     monkeypatch.setattr(test_async, "make_optimizer", make)
     want, _ = run_async(copy.deepcopy(model), data[:4], workers=1, double_buffer=True)
-    calls = counted(monkeypatch)
+    calls, released = counted(monkeypatch), []
+    waited = optimizer_module._released
+    monkeypatch.setattr(optimizer_module, "_released", lambda *a: (answer := waited(*a), released.append(answer))[0])
     one, rest = optimizer_module.step_and_cast, optimizer_module.OptimizerWorker._step_groups
-    monkeypatch.setattr(optimizer_module, "step_and_cast", lambda *a: (time.sleep(0.03), one(*a))[1])
+    monkeypatch.setattr(optimizer_module, "step_and_cast", lambda *a: (time.sleep(0.06), one(*a))[1])
     monkeypatch.setattr(
         optimizer_module.OptimizerWorker, "_step_groups",
-        lambda self, shadow, groups: (time.sleep(0.03 if groups else 0), rest(self, shadow, groups))[1],
+        lambda self, shadow, groups: (time.sleep(0.06 if groups else 0), rest(self, shadow, groups))[1],
     )  # fmt: skip
     engine = PipelineEngine(list(model.children()), [WorkerDevice("cpu")], asynchronous=True, double_buffer=True)
-    train_until_batch_five_fails(engine, make(model.parameters()), data)  # 4 groups x 30 ms to go when batch 5 fails
+    train_until_batch_five_fails(engine, make(model.parameters()), data)  # 4 groups x 60 ms to go when batch 5 fails
     assert engine.crew.optimizer.cut_short is None
     assert calls[0] == 4 * 4  # every group of the four updates, the last's after the abort too
+    assert False in released  # (some group's update came after the abort: the path under test ran)
     assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), want)
 
 

@@ -394,15 +394,17 @@ class _OwnClipping(BoringPipeline):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer_on", ["auto", "device", 0.5])  # (the fallback keeps the states on the host)
-def test_a_module_that_clips_its_own_way_trains_as_with_plain_lightning(optimizer_on):
+@pytest.mark.parametrize(  # (the fallback keeps the states on the host, and no spares: refused before it dropped them)
+    "given", [{"optimizer_on": "auto"}, {"optimizer_on": "device"}, {"optimizer_on": 0.5}, {"double_buffer": "all"}]
+)
+def test_a_module_that_clips_its_own_way_trains_as_with_plain_lightning(given):
     """``configure_gradient_clipping`` needs the gradients on the main thread: the asynchronous default never called
     it (the run trained unclipped, silently). The fit falls back to the synchronous optimizer, saying why."""
     _OwnClipping.calls = 0
     plain = fit(_OwnClipping, {"accelerator": "cpu", "devices": 1})
     steps, _OwnClipping.calls = _OwnClipping.calls, 0
     with pytest.warns(UserWarning, match="overrides configure_gradient_clipping.*synchronous optimizer"):
-        strategy = RoundPipeStrategy(num_microbatches=2, optimizer_on=optimizer_on)
+        strategy = RoundPipeStrategy(num_microbatches=2, **given)
         ours = fit(_OwnClipping, {"accelerator": "cpu", "devices": 1, "strategy": strategy})
     assert _OwnClipping.calls == steps > 0
     assert relative_error(flat_weights(ours), flat_weights(plain)) <= 1e-5
