@@ -19,6 +19,10 @@ each part costs and whether they overlap or share the memory bus:
   came from this script's own first form of it (the same arithmetic, float64 scalars). ``compiled-math`` and
   ``compiled-cast``: the math alone and the cast alone, compiled the same way; ``compiled-error`` is the kernel's
   largest difference from torch's fused kernel on one group, relative to the update;
+- ``python_share`` (for ``math-then-cast`` and ``compiled``, one run each): how fast a thread running Python counts
+  beside it, against its pace alone. Torch's operators let go of the GIL while they work; Inductor's CPU kernels are
+  called with it held (on the CPU machine, 2026-12-07, one call over 64 M elements: 3-8% of its pace, against 40-70%
+  beside torch's fused AdamW), so while the one pass runs the workers cannot launch GPU work;
 - ``math-then-cast+LOAD`` (CUDA): the same beside what else runs on the host during a training step:
   ``spinners`` (two threads waiting for GPU work through CUDA events, which spin a core each by default),
   ``sleepers`` (the same waits on blocking events, which sleep), ``dma`` (pinned copies up and down the PCIe
@@ -286,6 +290,29 @@ class Load:
             count += 1
 
 
+def python_share(fn: Callable[[], None]) -> float:
+    """How fast a thread running Python counts while ``fn`` runs, against its pace alone just before: about 1 where
+    ``fn`` lets go of the GIL (torch's operators do), near 0 where it holds it (a workers' launch would wait)."""
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    time.sleep(0.05)
+    start, before = time.perf_counter(), count[0]
+    time.sleep(0.2)
+    alone = (count[0] - before) / (time.perf_counter() - start)
+    start, before = time.perf_counter(), count[0]
+    fn()
+    during = (count[0] - before) / (time.perf_counter() - start)
+    stop.set()
+    thread.join()
+    return during / alone
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=28)
@@ -365,6 +392,9 @@ def main() -> None:
         print(f"{name}: best {seconds[name]:.3f} s, {time.perf_counter() - start:.0f} s with warm-up", file=sys.stderr)
     if "compiled" in seconds:
         seconds["compiled-error"] = compiled_error(sizes[-1])
+    shares = {name: python_share(runs[name]) for name in ("math-then-cast", "compiled") if name in runs}
+    for name, share in shares.items():
+        print(f"{name}: a Python thread beside it ran at {share:.0%} of its pace alone", file=sys.stderr)
     if "memcpy" in seconds:
         seconds["memcpy"] *= scale_copy
     result: dict[str, Any] = {
@@ -377,6 +407,7 @@ def main() -> None:
         "switch_interval_s": sys.getswitchinterval(),
         "built_s": built_s,
         "seconds": seconds,
+        "python_share": shares,
         "gb_per_s": {  # memcpy: read and write; math: param and both moments read and written, gradient read
             name: total * per / seconds[name] / 1e9
             for name, per in (("memcpy", 8), ("math", 28), ("cast", 6))

@@ -313,3 +313,32 @@ def test_the_strategy_compiles_the_kernel_only_for_an_optimizer_that_can_take_it
     strategy = RoundPipeStrategy(num_microbatches=2, double_buffer="all", compile=compile_option)
     fit(module, dict(strategy=strategy, accelerator="cpu", devices=2, max_steps=2))
     assert bool(asked) == compiles
+
+
+_GENERATED_CODE = """
+import torch
+from unittest import mock
+from torch._inductor.graph import GraphLowering
+from lightning_roundpipe.runtime.one_pass import OnePass
+
+torch.set_num_threads(2)
+torch._inductor.config.fx_graph_cache = False  # generated here, not loaded: a cached kernel keeps its old loop split
+codes = []
+with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+    OnePass.compile({torch.bfloat16})
+assert OnePass._failed is None and codes, OnePass._failed
+print("PARALLEL" if any("#pragma omp parallel" in code for code in codes) else "SERIAL")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_compiled_kernel_splits_its_loop_over_the_threads():
+    """Inductor decides at compile time whether a loop runs on several threads, from the example's length (the
+    dynamic size's hint): a kernel compiled on 67 elements ran every group on one thread, 2.8 s a step on an H100's
+    host against torch's fused AdamW's 0.58 (2026-12-07). Compiled in a fresh process, with Inductor's cache off."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _GENERATED_CODE], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "PARALLEL"
