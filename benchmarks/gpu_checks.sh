@@ -249,7 +249,10 @@ for step in "${steps[@]}"; do
     host-compiled)  # issue 39: the host step's math and cast in one pass compiled for the CPU (30 bytes a parameter
       # instead of 34). On one H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes, in this
       # script's first form of the kernel; `compiled` now runs the engine's (runtime/one_pass.py), its build timed
-      # apart (`compiled-build`; about 75 s with a cold Inductor cache). Expected near 0.5 s again. About 150 s
+      # apart (`compiled-build`; about 75 s with a cold Inductor cache). Expected near 0.5 s again (until 2026-12-07's
+      # 32nd session the engine's kernel was compiled on 67 elements and ran on one thread: 2.8 s a step in training on
+      # an H100's host). python_share: a Python thread's pace beside math-then-cast (torch lets go of the GIL) and
+      # beside compiled (Inductor's kernels hold it); expected about 0.5 and under 0.1. About 150 s
       run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast \
         --out "$OUT/host-compiled.json" ;;
     onepass-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="all" with AdamW's math and cast in one compiled pass
@@ -264,8 +267,11 @@ for step in "${steps[@]}"; do
       # math and cast run in one compiled pass; a candidate default) against the same spares in two passes
       # (newcomer-db-twopass) and the defaults (no spares: 23,295 real tokens/s on the H200 on 2026-12-07).
       # Expected: newcomer-dbauto 27-29k with double_buffer "all", one_pass.off_because null and its compile_s
-      # (the first config pays a cold Inductor cache); the other two near 23k. Written 2026-12-07 (31st), not yet
-      # run: no machine was lent. About 420 s
+      # (the first config pays a cold Inductor cache); the other two near 23k. First run 2026-12-07 (32nd), on an
+      # H100, with the kernel compiled serially: newcomer-dbauto 5,410 real tokens/s (its host math 2.8 s a step;
+      # over the 200 s config timeout with 20 warm-up steps) against the defaults' 22,041. Fixed since; but the
+      # kernel holds the GIL while it runs (about 0.5 s a step), so the workers launch nothing meanwhile: expected now
+      # between the defaults and 27k; under the defaults means the GIL must be let go first. About 420 s
       run auto-db-24gib 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 190 \
         --out "$OUT/auto-db-24gib.json" ;;

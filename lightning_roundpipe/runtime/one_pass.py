@@ -21,6 +21,11 @@ waits for the trace to end and runs the same compiled kernel, so the bits never 
 after :data:`WAIT_LIMIT_S` does it run the same arithmetic in eager torch, with a warning. Every call runs with
 autograd and autocast off, so a thread's own modes never make the kernel compile again (a compile off the main
 thread would set that flag for the workers' compiled blocks in turn).
+
+The kernel is compiled on an example of 2**20 elements: Inductor decides from the example's length whether a loop
+is split over the threads, and on 67 elements it ran serially (2.8 s a step through ``Trainer`` on an H100's host,
+2026-12-07). Inductor's CPU kernels are called with the GIL held, unlike torch's operators: while one runs, no other
+thread runs Python (``benchmarks/host_step.py``'s ``python_share``), so the workers launch nothing meanwhile.
 """
 
 from __future__ import annotations
