@@ -269,8 +269,8 @@ for step in "${steps[@]}"; do
       # Expected: newcomer-dbauto 27-29k with double_buffer "all", one_pass.off_because null and its compile_s
       # (the first config pays a cold Inductor cache); the other two near 23k. First run 2026-12-07 (32nd), on an
       # H100, with the kernel compiled serially: newcomer-dbauto 5,410 real tokens/s (its host math 2.8 s a step;
-      # over the 200 s config timeout with 20 warm-up steps) against the defaults' 22,041. Fixed since; but the
-      # kernel holds the GIL while it runs (about 0.5 s a step), so the workers launch nothing meanwhile: expected now
+      # over the 200 s config timeout with 20 warm-up steps) against the defaults' 22,041. Fixed in code since (not
+      # measured); but the kernel holds the GIL while it runs (0.494 s standalone on the H200's host), so the workers launch nothing meanwhile: expected now
       # between the defaults and 27k; under the defaults means the GIL must be let go first. About 420 s
       run auto-db-24gib 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
         --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 190 \

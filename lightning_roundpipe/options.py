@@ -95,8 +95,8 @@ class RoundPipeOptions:
     is first built and kept through its rebuilds; ``False``. With ``"all"``, ``torch.optim.Adam``/``AdamW``'s host
     math and cast run in one compiled pass over fp32 masters on one node, not under ``compile=False``
     (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default: through ``Trainer`` it ran at a
-    quarter of the defaults' speed on an H100 at 24 GiB (the kernel on one thread, since fixed; it also holds the
-    GIL while it runs), to be measured again (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
+    quarter of the defaults' speed on an H100 at 24 GiB (the kernel ran on one thread: fixed in code, not yet measured;
+    it also holds the GIL while it runs), to be measured again (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
     host_memory_check: bool = True
     """Before building the engine, estimate the host memory the run needs (model states with AdamW-sized
     optimizer states, :func:`~lightning_roundpipe.estimate_host_memory`) and refuse with the table if it

@@ -22,10 +22,12 @@ after :data:`WAIT_LIMIT_S` does it run the same arithmetic in eager torch, with 
 autograd and autocast off, so a thread's own modes never make the kernel compile again (a compile off the main
 thread would set that flag for the workers' compiled blocks in turn).
 
-The kernel is compiled on an example of 2**20 elements: Inductor decides from the example's length whether a loop
-is split over the threads, and on 67 elements it ran serially (2.8 s a step through ``Trainer`` on an H100's host,
-2026-12-07). Inductor's CPU kernels are called with the GIL held, unlike torch's operators: while one runs, no other
-thread runs Python (``benchmarks/host_step.py``'s ``python_share``), so the workers launch nothing meanwhile.
+The kernel is compiled on an example of 2**20 elements with ``cpp.dynamic_threads``: Inductor decides from the
+example's length whether a loop is split over the threads, and on 67 elements it ran serially (2.8 s a step through
+``Trainer`` on an H100's host, 2026-12-07); its cache keys on no length, so the option also keeps such a kernel from
+being served again. Inductor's CPU kernels are called with the GIL held, unlike torch's operators: while one runs,
+no other thread runs Python (``benchmarks/host_step.py``'s ``python_share``), so the workers launch nothing
+meanwhile.
 """
 
 from __future__ import annotations
@@ -146,8 +148,10 @@ class OnePass:
                 if not cls.enabled or cls._failed is not None or dtype in cls._compiled:
                     continue
                 try:
-                    if cls._kernel is None:
-                        cls._kernel = torch.compile(_adamw_and_cast, fullgraph=True, dynamic=True)
+                    if cls._kernel is None:  # dynamic_threads: a parallel scope whatever the example's length, and
+                        # a cache key apart from kernels compiled serially before it (the cache keys on no length)
+                        options = {"cpp.dynamic_threads": True}
+                        cls._kernel = torch.compile(_adamw_and_cast, fullgraph=True, dynamic=True, options=options)
                     n = 1 << 20  # dynamic, one kernel serves all lengths; Inductor splits the loop over threads by this
                     tensors = [torch.zeros(n) for _ in range(4)] + [torch.empty(n, dtype=dtype)]
                     with torch.no_grad(), torch._C._DisableAutocast():
