@@ -252,8 +252,12 @@ for step in "${steps[@]}"; do
       # apart (`compiled-build`; about 75 s with a cold Inductor cache). Expected near 0.5 s again (until 2026-12-07's
       # 32nd session the engine's kernel was compiled on 67 elements and ran on one thread: 2.8 s a step in training on
       # an H100's host). python_share: a Python thread's pace beside math-then-cast (torch lets go of the GIL) and
-      # beside compiled (Inductor's kernels hold it); expected about 0.5 and under 0.1. About 150 s
-      run host-compiled 400 python benchmarks/host_step.py --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast \
+      # beside compiled (Inductor's kernels hold it); expected about 0.5 and under 0.1. `native`: the same arithmetic
+      # as C++ through ctypes (OnePass.native), which lets go of the GIL: expected as fast as compiled (on the CPU
+      # machine 0.077 s against compiled's 0.102 and math-then-cast's 0.129 at --scale 0.1), python_share near
+      # math-then-cast's. About 160 s
+      run host-compiled 400 python benchmarks/host_step.py \
+        --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast,native \
         --out "$OUT/host-compiled.json" ;;
     onepass-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="all" with AdamW's math and cast in one compiled pass
       # (runtime/one_pass.py) against the same spares with torch's AdamW and a separate cast, and the defaults. The
@@ -264,16 +268,20 @@ for step in "${steps[@]}"; do
         --configs newcomer-db,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 200 \
         --out "$OUT/onepass-24gib.json" ;;
     auto-db-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="auto" (spares where the host holds them, so AdamW's
-      # math and cast run in one compiled pass; a candidate default) against the same spares in two passes
-      # (newcomer-db-twopass) and the defaults (no spares: 23,295 real tokens/s on the H200 on 2026-12-07).
-      # Expected: newcomer-dbauto 27-29k with double_buffer "all", one_pass.off_because null and its compile_s
-      # (the first config pays a cold Inductor cache); the other two near 23k. First run 2026-12-07 (32nd), on an
+      # math and cast run in one pass; a candidate default) with the C++ kernel that lets go of the GIL
+      # (newcomer-dbauto-native), with Inductor's (newcomer-dbauto), and the defaults (no spares: 23,295 real
+      # tokens/s on the H200 on 2026-12-07; 22,041 on an H100). newcomer-db-twopass (the spares, two passes) was
+      # dropped from this step on 2026-12-07 (32nd) for the native kernel.
+      # Both with double_buffer "all", one_pass.off_because null, eager_calls 0 (the first config pays the cold
+      # caches: C++ and Inductor's). First run 2026-12-07 (32nd), on an
       # H100, with the kernel compiled serially: newcomer-dbauto 5,410 real tokens/s (its host math 2.8 s a step;
       # over the 200 s config timeout with 20 warm-up steps) against the defaults' 22,041. Fixed in code since (not
-      # measured); but the kernel holds the GIL while it runs (0.494 s standalone on the H200's host), so the workers launch nothing meanwhile: expected now
-      # between the defaults and 27k; under the defaults means the GIL must be let go first. About 420 s
+      # measured); but Inductor's kernel holds the GIL while it runs (0.494 s standalone on the H200's host), so the
+      # workers launch nothing meanwhile: newcomer-dbauto expected between the defaults and 27k, newcomer-dbauto-native
+      # 27-29k. If native pays and Inductor's does not, make the native kernel the one-pass default (OnePass.native)
+      # and then double_buffer="auto" the default. About 420 s
       run auto-db-24gib 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
-        --configs newcomer-dbauto,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 190 \
+        --configs newcomer-dbauto-native,newcomer-dbauto,newcomer --warmup 20 --steps 6 --config-timeout 190 \
         --out "$OUT/auto-db-24gib.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,

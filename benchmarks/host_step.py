@@ -19,10 +19,12 @@ each part costs and whether they overlap or share the memory bus:
   came from this script's own first form of it (the same arithmetic, float64 scalars). ``compiled-math`` and
   ``compiled-cast``: the math alone and the cast alone, compiled the same way; ``compiled-error`` is the kernel's
   largest difference from torch's fused kernel on one group, relative to the update;
-- ``python_share`` (for ``math-then-cast`` and ``compiled``, one run each): how fast a thread running Python counts
-  beside it, against its pace alone. Torch's operators let go of the GIL while they work; Inductor's CPU kernels are
-  called with it held (on the CPU machine, 2026-12-07, one call over 64 M elements: 3-8% of its pace, against 40-70%
-  beside torch's fused AdamW), so while the one pass runs the workers cannot launch GPU work;
+- ``native``: the same arithmetic as C++ called through ``ctypes`` (``OnePass.native``), which lets go of the GIL;
+- ``python_share`` (for ``math-then-cast``, ``compiled`` and ``native``, one run each): how fast a thread running
+  Python counts beside it, against its pace alone. Torch's operators let go of the GIL while they work;
+  Inductor's CPU kernels are called with it held (on the CPU machine, 2026-12-07, one call over 64 M elements:
+  3-8% of its pace, against 40-70% beside torch's fused AdamW), so while the one pass runs the workers cannot
+  launch GPU work;
 - ``math-then-cast+LOAD`` (CUDA): the same beside what else runs on the host during a training step:
   ``spinners`` (two threads waiting for GPU work through CUDA events, which spin a core each by default),
   ``sleepers`` (the same waits on blocking events, which sleep), ``dma`` (pinned copies up and down the PCIe
@@ -94,14 +96,15 @@ class Groups:
     def cast(self, g: int, lo: int = 0, hi: int | None = None) -> None:
         self.compute[g][lo:hi].copy_(self.data[g][lo:hi])
 
-    def compiled(self, g: int) -> None:
-        """One group's step and cast by the engine's one-pass kernel (``runtime/one_pass.py``), called as the
-        optimizer thread calls it (the moments' step count kept beside)."""
+    def compiled(self, g: int, kernel: Any = None) -> None:
+        """One group's step and cast by the engine's one-pass kernel (``runtime/one_pass.py``; or ``kernel``),
+        called as the optimizer thread calls it (the moments' step count kept beside)."""
         self.step[g] += 1
         scalars = one_pass._scalars(1e-5, 0.01, 0.9, 0.999, float(self.step[g]), 1e-8)
         one_pass.run_compiled(
-            OnePass._kernel, self.data[g], self.grad[g], self.avg[g], self.avg_sq[g], self.compute[g], *scalars
-        )
+            kernel or OnePass._kernel, self.data[g], self.grad[g], self.avg[g], self.avg_sq[g], self.compute[g],
+            *scalars,
+        )  # fmt: skip
 
     def compiled_math(self, g: int) -> None:
         """The same arithmetic without the cast: Inductor's kernel against torch's fused one."""
@@ -361,6 +364,7 @@ def main() -> None:
         "compiled": lambda: [groups.compiled(g) for g in order] and None,
         "compiled-math": lambda: [groups.compiled_math(g) for g in order] and None,
         "compiled-cast": lambda: [groups.compiled_cast(g) for g in order] and None,
+        "native": lambda: [groups.compiled(g, native) for g in order] and None,
     }
     both = runs["math-then-cast"]
 
@@ -381,6 +385,11 @@ def main() -> None:
     if args.only:
         runs = {name: runs[name] for name in args.only.split(",")}
     seconds = {}
+    native = None
+    if "native" in runs:  # OnePass.native's C++ (through ctypes, without the GIL), built apart from the runs
+        start = time.perf_counter()
+        native = one_pass._native_kernel()
+        seconds["native-build"] = time.perf_counter() - start
     if "compiled" in runs:  # the engine compiles its kernel when it is built: timed apart from the runs
         start = time.perf_counter()
         OnePass.compile({torch.bfloat16})
@@ -392,7 +401,7 @@ def main() -> None:
         print(f"{name}: best {seconds[name]:.3f} s, {time.perf_counter() - start:.0f} s with warm-up", file=sys.stderr)
     if "compiled" in seconds:
         seconds["compiled-error"] = compiled_error(sizes[-1])
-    shares = {name: python_share(runs[name]) for name in ("math-then-cast", "compiled") if name in runs}
+    shares = {name: python_share(runs[name]) for name in ("math-then-cast", "compiled", "native") if name in runs}
     for name, share in shares.items():
         print(f"{name}: a Python thread beside it ran at {share:.0%} of its pace alone", file=sys.stderr)
     if "memcpy" in seconds:

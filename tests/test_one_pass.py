@@ -43,6 +43,14 @@ def counted_eager(monkeypatch) -> list[int]:
     return calls
 
 
+def use_native(monkeypatch, native: bool) -> None:
+    """The C++ kernel (``OnePass.native``) built afresh for this test; the class keeps Inductor's for the others."""
+    if native:
+        monkeypatch.setattr(OnePass, "native", True)
+        monkeypatch.setattr(OnePass, "_kernel", None)
+        monkeypatch.setattr(OnePass, "_compiled", set())
+
+
 def counted(monkeypatch) -> list[int]:
     calls = [0]
     real = optimizer_module.step_and_cast
@@ -56,11 +64,13 @@ def counted(monkeypatch) -> list[int]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(cls):
+def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(monkeypatch, cls, native):
     """Two parameter groups with their own settings, the LR changed between steps: weights, moments and step
     counts equal torch's (its default and its fused kernel) to float32 rounding; ``out`` is the new weights in
-    bf16."""
+    bf16. Inductor's kernel and the C++ one (``OnePass.native``)."""
+    use_native(monkeypatch, native)
     torch.manual_seed(0)
     shapes = [(33, 7), (129,), (5, 3)]
     weights = [torch.randn(s) for s in shapes]
@@ -127,10 +137,13 @@ def test_only_plain_adam_and_adamw_without_the_options_it_leaves_out_take_it():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_double_buffered_updates_take_the_kernel_and_equal_the_staleness_one_reference(monkeypatch, dtype):
+def test_double_buffered_updates_take_the_kernel_and_equal_the_staleness_one_reference(monkeypatch, dtype, native):
     """Every group's update of every step but the engine's own first casts goes through the kernel; the weights
-    equal the reference, and the two passes (the kernel off) to float32 rounding."""
+    equal the reference, and the two passes (the kernel off) to float32 rounding. Inductor's kernel and the C++ one
+    (built when the engine is)."""
+    use_native(monkeypatch, native)
     model, data = mlp(), batches(5, 2)
     kwargs = dict(microbatches_per_round=2, double_buffer=True, last_of_step=True)
     if dtype is not None:
@@ -353,3 +366,40 @@ def test_the_compiled_kernel_splits_its_loop_over_the_threads(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _GENERATED_CODE], capture_output=True, text=True, env=env, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "PARALLEL"
+
+
+@pytest.mark.timeout(120)
+def test_the_native_kernel_lets_go_of_the_gil_and_casts_into_each_dtype_as_torch(monkeypatch):
+    """``OnePass.native``: the C++ kernel runs through ``ctypes``, which releases the GIL, so another thread runs
+    Python during a call (Inductor's kernels keep the GIL: the workers could launch nothing while the host step ran).
+    Its updates equal torch's fused AdamW's, from either end of torch's lerp, cast into bf16, fp16 or fp32."""
+    use_native(monkeypatch, True)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    OnePass.compile(set(dtypes))
+    assert OnePass._failed is None and OnePass._compiled == set(dtypes)
+    for dtype in dtypes:
+        for beta1 in (0.9, 0.3):  # lerp's weight 1 - beta1 under and over one half
+            assert one_pass._check(OnePass._kernel, beta1, 0.99, 1e-8, 0.01, dtype) <= 1e-4
+    n = 1 << 25
+    tensors = [torch.zeros(n) for _ in range(4)] + [torch.empty(n, dtype=torch.bfloat16)]
+    scalars = one_pass._scalars(1e-3, 0.01, 0.9, 0.999, 1.0, 1e-8)
+    seen, stop = [], threading.Event()
+
+    def python() -> None:
+        while not stop.is_set():
+            seen.append(time.perf_counter())
+
+    thread = threading.Thread(target=python)
+    thread.start()
+    while not seen:
+        time.sleep(0.001)
+    ran = []
+    for _ in range(4):  # (Inductor's kernel: in 1 call of 5 at most, where the call's Python part reached the middle)
+        start = time.perf_counter()
+        one_pass.run_compiled(OnePass._kernel, *tensors, *scalars)  # (as the optimizer thread calls it)
+        end = time.perf_counter()
+        quarter = (end - start) / 4
+        ran.append(any(start + quarter < t < end - quarter for t in seen[-100000:]))
+    stop.set()
+    thread.join()
+    assert sum(ran) >= 3, ran  # the other thread ran in the middle half of the calls

@@ -59,6 +59,82 @@ def _adamw_and_cast(
     out.copy_(p)
 
 
+_NATIVE = r"""
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+template <typename T>
+static void adamw_cast(float* p, const float* g, float* m, float* v, T* out, int64_t n, double decay_d, float w,
+                       double beta2_d, double sq_d, double step_d, double bias2_d, double eps_d) {
+  using Vec = at::vec::Vectorized<float>;
+  const float decay = decay_d, beta2 = beta2_d, sq = sq_d, step = step_d, bias2 = bias2_d, eps = eps_d;
+  const bool low = std::abs(w) < 0.5f;  // torch's lerp: from the nearer end
+  const float lw = low ? w : -(1.0f - w);
+  constexpr int64_t V = Vec::size(), CHUNK = 1 << 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int64_t end = std::min(n, c + CHUNK);
+    int64_t i = c;
+    for (; i + V <= end; i += V) {
+      Vec gv = Vec::loadu(g + i), mv = Vec::loadu(m + i);
+      mv = (low ? mv : gv) + Vec(lw) * (gv - mv);
+      Vec vv = Vec::loadu(v + i) * Vec(beta2) + gv * gv * Vec(sq);
+      Vec pv = Vec::loadu(p + i) * Vec(decay) - Vec(step) * mv / (vv.sqrt() / Vec(bias2) + Vec(eps));
+      pv.store(p + i);
+      mv.store(m + i);
+      vv.store(v + i);
+      if constexpr (std::is_same_v<T, float>) pv.store(out + i);
+      else at::vec::convert<T>(pv).store(out + i, V);
+    }
+    for (; i < end; ++i) {
+      const float gi = g[i], mi = (low ? m[i] : gi) + lw * (gi - m[i]), vi = v[i] * beta2 + gi * gi * sq;
+      const float pi = p[i] * decay - step * mi / (std::sqrt(vi) / bias2 + eps);
+      p[i] = pi, m[i] = mi, v[i] = vi, out[i] = static_cast<T>(pi);
+    }
+  }
+}
+#define ROUNDPIPE_ADAMW(NAME, T) extern "C" void NAME(float* p, const float* g, float* m, float* v, T* out, \
+    int64_t n, double a, float b, double c, double d, double e, double f, double h) { \
+  adamw_cast<T>(p, g, m, v, out, n, a, b, c, d, e, f, h); }
+ROUNDPIPE_ADAMW(roundpipe_adamw_bf16, c10::BFloat16)
+ROUNDPIPE_ADAMW(roundpipe_adamw_f16, c10::Half)
+ROUNDPIPE_ADAMW(roundpipe_adamw_f32, float)
+"""
+"""The same arithmetic as :func:`_adamw_and_cast` as a C++ function called through ``ctypes``, which lets go of the
+GIL while it runs (Inductor's kernels keep it). Built with Inductor's C++ toolchain and cache when chosen
+(:attr:`OnePass.native`)."""
+
+
+def _native_kernel() -> Any:
+    """:data:`_NATIVE` built and loaded, wrapped to take :func:`_adamw_and_cast`'s arguments."""
+    import ctypes
+
+    from torch._inductor.codecache import CppCodeCache
+
+    library = CppCodeCache.load(_NATIVE)
+    functions = {}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32")):
+        function = getattr(library, f"roundpipe_adamw_{name}")
+        function.restype = None
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_double, ctypes.c_float]
+        function.argtypes += [ctypes.c_double] * 5
+        functions[dtype] = function
+
+    def kernel(p: Tensor, grad: Tensor, avg: Tensor, avg_sq: Tensor, out: Tensor, *scalars: Tensor) -> None:
+        tensors = (p, grad, avg, avg_sq, out)
+        n = p.numel()
+        if any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
+            raise ValueError("the native one-pass kernel takes contiguous CPU tensors of one length")
+        if any(t.dtype != torch.float32 for t in tensors[:4]) or out.dtype not in functions:
+            raise ValueError(f"the native one-pass kernel takes fp32 masters and states, not {out.dtype} copies")
+        functions[out.dtype](*(t.data_ptr() for t in tensors), n, *(float(s) for s in scalars))
+
+    return kernel
+
+
 WAIT_LIMIT_S = 300.0
 """How long a call waits for another thread's FX trace (a compile) to end before it runs in eager torch."""
 
@@ -108,6 +184,9 @@ class OnePass:
 
     enabled = True
     """Off: every update takes torch's step and a separate cast (a benchmark's comparison)."""
+    native = False
+    """On: the kernel is :data:`_NATIVE`'s C++, which lets go of the GIL while it runs, instead of Inductor's (a
+    benchmark's comparison until measured through ``Trainer``); set before the first compile."""
     _modes: Any = None
     """The process's and the compiling thread's settings that the kernel's guards read (matmul precision, default
     dtype, thread count, ...), as compiled: a call under others would compile again, so it runs eagerly instead."""
@@ -148,6 +227,8 @@ class OnePass:
                 if not cls.enabled or cls._failed is not None or dtype in cls._compiled:
                     continue
                 try:
+                    if cls._kernel is None and cls.native:
+                        cls._kernel = _native_kernel()
                     if cls._kernel is None:  # dynamic_threads: a parallel scope whatever the example's length, and
                         # a cache key apart from kernels compiled serially before it (the cache keys on no length)
                         options = {"cpp.dynamic_threads": True}
