@@ -401,6 +401,8 @@ def main() -> None:
         print(f"{name}: best {seconds[name]:.3f} s, {time.perf_counter() - start:.0f} s with warm-up", file=sys.stderr)
     if "compiled" in seconds:
         seconds["compiled-error"] = compiled_error(sizes[-1])
+    if native is not None:
+        seconds["native-error"] = one_pass._check(native, 0.9, 0.999, 1e-8, 0.01, torch.bfloat16, sizes[-1])
     shares = {name: python_share(runs[name]) for name in ("math-then-cast", "compiled", "native") if name in runs}
     for name, share in shares.items():
         print(f"{name}: a Python thread beside it ran at {share:.0%} of its pace alone", file=sys.stderr)

@@ -66,6 +66,7 @@ _NATIVE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 template <typename T>
 static void adamw_cast(float* p, const float* g, float* m, float* v, T* out, int64_t n, double decay_d, float w,
                        double beta2_d, double sq_d, double step_d, double bias2_d, double eps_d) {
@@ -74,7 +75,7 @@ static void adamw_cast(float* p, const float* g, float* m, float* v, T* out, int
   const bool low = std::abs(w) < 0.5f;  // torch's lerp: from the nearer end
   const float lw = low ? w : -(1.0f - w);
   constexpr int64_t V = Vec::size(), CHUNK = 1 << 16;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > CHUNK)
   for (int64_t c = 0; c < n; c += CHUNK) {
     const int64_t end = std::min(n, c + CHUNK);
     int64_t i = c;
