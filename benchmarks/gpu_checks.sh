@@ -246,16 +246,15 @@ for step in "${steps[@]}"; do
       run varlen-8-switch 200 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 \
         --configs newcomer,newcomer-switch500 --warmup 10 --steps 8 --host-trace --config-timeout 130 \
         --out "$OUT/varlen-8-switch.json" ;;
-    host-compiled)  # issue 39: the host step's math and cast in one pass compiled for the CPU (30 bytes a parameter
-      # instead of 34). On one H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes, in this
-      # script's first form of the kernel; `compiled` now runs the engine's (runtime/one_pass.py), its build timed
-      # apart (`compiled-build`; about 75 s with a cold Inductor cache). Expected near 0.5 s again (until 2026-12-07's
-      # 32nd session the engine's kernel was compiled on 67 elements and ran on one thread: 2.8 s a step in training on
-      # an H100's host). python_share: a Python thread's pace beside math-then-cast (torch lets go of the GIL) and
-      # beside compiled (Inductor's kernels hold it); expected about 0.5 and under 0.1. `native`: the same arithmetic
-      # as C++ through ctypes (OnePass.native), which lets go of the GIL: expected as fast as compiled (on the CPU
-      # machine 0.077 s against compiled's 0.102 and math-then-cast's 0.129 at --scale 0.1), python_share near
-      # math-then-cast's. About 160 s
+    host-compiled)  # issue 39: the host step's math and cast in one pass (30 bytes a parameter instead of 34). On one
+      # H200 (2026-12-07, thirtieth): 0.494 s against 0.676 for the two passes, in this script's first form of the
+      # kernel. `native` is the engine's kernel since 2026-12-08 (C++ through ctypes, which lets go of the GIL;
+      # runtime/one_pass.py), `compiled` Inductor's form of the same arithmetic (the engine's before; its build timed
+      # apart, `compiled-build`, about 75 s with a cold Inductor cache). Expected both near 0.5 s, math-then-cast near
+      # 0.68. python_share: a Python thread's pace beside each (torch's operators and the C++ kernel let go of the
+      # GIL, Inductor's kernels hold it): expected about 0.5 beside math-then-cast and native, under 0.1 beside
+      # compiled. On the CPU machine (--scale 0.1 --blocks 6) native 0.077 s, compiled 0.102, math-then-cast 0.129.
+      # About 160 s
       run host-compiled 400 python benchmarks/host_step.py \
         --only math,cast,math-then-cast,compiled,compiled-math,compiled-cast,native \
         --out "$OUT/host-compiled.json" ;;
@@ -268,20 +267,15 @@ for step in "${steps[@]}"; do
         --configs newcomer-db,newcomer-db-twopass,newcomer --warmup 20 --steps 6 --config-timeout 200 \
         --out "$OUT/onepass-24gib.json" ;;
     auto-db-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="auto" (spares where the host holds them, so AdamW's
-      # math and cast run in one pass; a candidate default) with the C++ kernel that lets go of the GIL
-      # (newcomer-dbauto-native), with Inductor's (newcomer-dbauto), and the defaults (no spares: 23,295 real
-      # tokens/s on the H200 on 2026-12-07; 22,041 on an H100). newcomer-db-twopass (the spares, two passes) was
-      # dropped from this step on 2026-12-07 (32nd) for the native kernel.
-      # Both with double_buffer "all", one_pass.off_because null, eager_calls 0 (the first config pays the cold
-      # caches: C++ and Inductor's). First run 2026-12-07 (32nd), on an
-      # H100, with the kernel compiled serially: newcomer-dbauto 5,410 real tokens/s (its host math 2.8 s a step;
-      # over the 200 s config timeout with 20 warm-up steps) against the defaults' 22,041. Fixed in code since (not
-      # measured); but Inductor's kernel holds the GIL while it runs (0.494 s standalone on the H200's host), so the
-      # workers launch nothing meanwhile: newcomer-dbauto expected between the defaults and 27k, newcomer-dbauto-native
-      # 27-29k. If native pays and Inductor's does not, make the native kernel the one-pass default (OnePass.native)
-      # and then double_buffer="auto" the default. About 420 s
-      run auto-db-24gib 580 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
-        --configs newcomer-dbauto-native,newcomer-dbauto,newcomer --warmup 20 --steps 6 --config-timeout 190 \
+      # math and cast run in one pass; a candidate default) against the defaults (no spares: 23,295 real tokens/s on
+      # the H200 on 2026-12-07; 22,041 on an H100). newcomer-dbauto: double_buffer "all", one_pass.off_because null.
+      # First run 2026-12-07 (32nd), on an H100, with Inductor's kernel compiled serially: 5,410 real tokens/s (its
+      # host math 2.8 s a step) against the defaults' 22,041. Since 2026-12-08 the kernel is C++ through ctypes, which
+      # lets go of the GIL (Inductor's held it: the workers launched nothing while it ran). Expected: newcomer-dbauto
+      # 27-29k (the host step about 0.5 s instead of 0.68), the defaults 22-23k. If so, make double_buffer="auto" the
+      # default. About 300 s
+      run auto-db-24gib 480 python benchmarks/lightning_user.py --varlen 256,4096 --seqs 8 --gpu-gib 24 \
+        --configs newcomer-dbauto,newcomer --warmup 20 --steps 6 --config-timeout 200 \
         --out "$OUT/auto-db-24gib.json" ;;
     varlen-8-devopt)  # issue 39: 8 a step, RoundPipeStrategy(optimizer_on="device") (the training states on the GPU),
       # the defaults, and plain with compiled blocks, one call. Expected: the device optimizer bound by the devices,

@@ -36,8 +36,8 @@ randomly initialised ``Qwen3ForCausalLM`` of the Qwen3-1.7B shape (``--model``),
   cast as soon as its math is done, not after the step's last read of the copy; AdamW's math and that cast then
   run in one pass, ``runtime/one_pass.py``); ``newcomer-db-twopass``: the same with torch's AdamW and a separate
   cast (``OnePass.enabled`` off); ``newcomer-dbauto``: ``double_buffer="auto"`` (``"all"`` where the spares fit
-  the host, as the JSON's ``double_buffer`` and ``spares`` say); ``newcomer-dbauto-native``: the same with the
-  kernel in C++ called through ``ctypes`` (``OnePass.native``: it lets go of the GIL, which Inductor's keeps);
+  the host, as the JSON's ``double_buffer`` and ``spares`` say). Until 2026-12-08 the one pass was Inductor's
+  kernel and ``newcomer-dbauto-native`` its C++ form, the engine's since;
 - ``newcomer-gmF``: ``RoundPipeStrategy(gpu_memory=F)`` (the share of the card the plan's stages are sized for);
 - ``newcomer-keepcache``: the defaults without ``CacheWatch.release_over_limit`` (the engine gives a device's cached
   blocks back after a batch that left its allocator above ``gpu_memory`` of the card, or of ``--gpu-gib``, since
@@ -504,7 +504,7 @@ def strategy_for(
         return RoundPipeStrategy(gpu_memory=float(config.removeprefix("newcomer-gm"))), False
     if config in ("newcomer-db", "newcomer-db-twopass"):
         return RoundPipeStrategy(double_buffer="all"), False
-    if config in ("newcomer-dbauto", "newcomer-dbauto-native"):  # spares where the host holds them (issue 39)
+    if config == "newcomer-dbauto":  # spares where the host holds them (issue 39)
         return RoundPipeStrategy(double_buffer="auto"), False
     if config == "newcomer-sync":
         return RoundPipeStrategy(async_optimizer=False), False
@@ -521,7 +521,7 @@ def strategy_for(
         f"unknown configuration {config!r}: plain, plain-liger, plain-compile, newcomer, newcomer-nokernels,"
         " newcomer-chunked, newcomer-generic, newcomer-packed, newcomer-flattened, newcomer-cudnn, newcomer-flash,"
         " newcomer-widthN, newcomer-hostN, newcomer-blocking, newcomer-db, newcomer-db-twopass, newcomer-dbauto,"
-        " newcomer-dbauto-native, newcomer-gmFRACTION,"
+        " newcomer-gmFRACTION,"
         " newcomer-capped,"
         " newcomer-sgd, newcomer-keepcache, newcomer-nomirror, newcomer-uppool, newcomer-noahead, newcomer-whole,"
         " newcomer-nowhole, newcomer-autoshare,"
@@ -742,13 +742,6 @@ def experiment(config: str) -> Iterator[None]:
         with mock.patch.object(OnePass, "enabled", False):
             yield
         return
-    if config == "newcomer-dbauto-native":  # the one pass as C++ called through ctypes, without the GIL; built
-        with contextlib.ExitStack() as stack:  # afresh (in one process another configuration compiled Inductor's)
-            fresh = (("native", True), ("_kernel", None), ("_compiled", set()), ("_checked", set()), ("compile_s", 0.0))
-            for name, value in (*fresh, ("_failed", None)):
-                stack.enter_context(mock.patch.object(OnePass, name, value))
-            yield
-        return
     if config in ("newcomer-uppool", "newcomer-noahead"):  # the weights' device buffers from the uploads' own pool
         from lightning_roundpipe.runtime.uploads import WeightUploads
 
@@ -945,11 +938,9 @@ class _Remember(L.Callback):
             "fused_optimizer": [g.get("fused") for g in trainer.optimizers[0].param_groups],
             "one_pass": {
                 "enabled": OnePass.enabled,
-                "native": OnePass.native,  # the C++ kernel through ctypes (no GIL), not Inductor's
                 "off_because": OnePass._failed,
                 "checked": len(OnePass._checked),
-                "compile_s": OnePass.compile_s,  # at the engine's build (a cold Inductor cache compiles C++)
-                "eager_calls": getattr(engine.crew.optimizer, "eager_one_pass", None),  # while a compile traced
+                "compile_s": OnePass.compile_s,  # at the engine's build (a cold cache compiles the C++)
             },
             "double_buffer": engine.steps.double_buffer,  # "auto" as the engine took it
             "spares": sum(g.spare is not None for g in engine.store.groups),

@@ -124,8 +124,8 @@ def _double_buffer(
 
 
 def _one_pass(options: RoundPipeOptions, optimizers: Sequence[Any]) -> bool:
-    """Whether to compile the one-pass AdamW kernel (with ``double_buffer="all"``): not under ``compile=False``
-    (no Inductor wanted), nor for optimizers none of which can take it (once they are known)."""
+    """Whether to build the one-pass AdamW kernel (with ``double_buffer="all"``): not under ``compile=False`` (no
+    C++ compiler wanted), nor for optimizers none of which can take it (once they are known)."""
     return options.compile is not False and (not optimizers or any(OnePass.usable(o) for o in optimizers))
 
 

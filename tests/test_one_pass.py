@@ -31,27 +31,6 @@ def fresh_one_pass(monkeypatch):
     monkeypatch.setattr(OnePass, "enabled", True)
 
 
-def counted_eager(monkeypatch) -> list[int]:
-    """How many parameters' updates ran the kernel's arithmetic in eager torch."""
-    calls = [0]
-    arithmetic = one_pass._adamw_and_cast
-
-    def count(*args):
-        calls[0] += 1
-        return arithmetic(*args)
-
-    monkeypatch.setattr(one_pass, "_adamw_and_cast", count)
-    return calls
-
-
-def use_native(monkeypatch, native: bool) -> None:
-    """The C++ kernel (``OnePass.native``) built afresh for this test; the class keeps Inductor's for the others."""
-    if native:
-        monkeypatch.setattr(OnePass, "native", True)
-        monkeypatch.setattr(OnePass, "_kernel", None)
-        monkeypatch.setattr(OnePass, "_compiled", set())
-
-
 def counted(monkeypatch) -> list[int]:
     calls = [0]
     real = optimizer_module.step_and_cast
@@ -65,13 +44,11 @@ def counted(monkeypatch) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
-def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(monkeypatch, cls, native):
+def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(cls):
     """Two parameter groups with their own settings, the LR changed between steps: weights, moments and step
     counts equal torch's (its default and its fused kernel) to float32 rounding; ``out`` is the new weights in
-    bf16. Inductor's kernel and the C++ one (``OnePass.native``)."""
-    use_native(monkeypatch, native)
+    bf16."""
     torch.manual_seed(0)
     shapes = [(33, 7), (129,), (5, 3)]
     weights = [torch.randn(s) for s in shapes]
@@ -138,20 +115,17 @@ def test_only_plain_adam_and_adamw_without_the_options_it_leaves_out_take_it():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_double_buffered_updates_take_the_kernel_and_equal_the_staleness_one_reference(monkeypatch, dtype, native):
+def test_double_buffered_updates_take_the_kernel_and_equal_the_staleness_one_reference(monkeypatch, dtype):
     """Every group's update of every step but the engine's own first casts goes through the kernel; the weights
-    equal the reference, and the two passes (the kernel off) to float32 rounding. Inductor's kernel and the C++ one
-    (built when the engine is)."""
-    use_native(monkeypatch, native)
+    equal the reference, and the two passes (the kernel off) to float32 rounding."""
     model, data = mlp(), batches(5, 2)
     kwargs = dict(microbatches_per_round=2, double_buffer=True, last_of_step=True)
     if dtype is not None:
         kwargs.update(compute_dtype=dtype, autocast_dtype=dtype)
-    calls, eager = counted(monkeypatch), counted_eager(monkeypatch)
+    calls = counted(monkeypatch)
     got, _ = run_async(copy.deepcopy(model), data, **kwargs)
-    assert calls[0] == 5 * 4 and eager[0] == 0  # five updates of four trainable groups (one per Linear), compiled
+    assert calls[0] == 5 * 4  # five updates of four trainable groups (one per Linear)
     OnePass.enabled = False
     two_passes, _ = run_async(copy.deepcopy(model), data, **kwargs)
     assert calls[0] == 20
@@ -180,17 +154,16 @@ def test_adam_takes_it_with_spares_and_decoupled_decay_only(monkeypatch, spares,
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("failure", ["compile", "numerics"])
 def test_a_kernel_that_fails_or_differs_is_turned_off_with_a_warning(monkeypatch, failure):
-    """A compile that raises (no C++ compiler), or a kernel whose first check against torch's AdamW differs:
+    """A build that raises (no C++ compiler), or a kernel whose first check against torch's AdamW differs:
     a warning, then the two passes for the process, and the weights still equal the reference."""
     model, data = mlp(), batches(4)
     monkeypatch.setattr(OnePass, "_kernel", None)
-    monkeypatch.setattr(OnePass, "_compiled", set())
     if failure == "compile":
 
-        def broken(*args, **kwargs):
+        def broken():
             raise RuntimeError("no C++ compiler")
 
-        monkeypatch.setattr(one_pass.torch, "compile", broken)
+        monkeypatch.setattr(one_pass, "_build", broken)
     else:
 
         def wrong(p, grad, avg, avg_sq, out, *scalars):
@@ -206,58 +179,23 @@ def test_a_kernel_that_fails_or_differs_is_turned_off_with_a_warning(monkeypatch
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "when", ["before the call", "between the looks", "during the call", "at the submission's check"]
-)
-def test_while_another_thread_traces_the_kernel_waits_and_the_bits_are_the_same(monkeypatch, when):
-    """A compiled function called while any thread traces with FX (a worker compiling a block) refuses to run: seen
-    on an H100 when a new plan's blocks compiled beside an update. The call waits for the trace to end and runs the
-    same kernel: the weights equal a run with no trace bit for bit."""
-    model, data = mlp(), batches(4)
-    OnePass.compile({torch.float32})
-    calm, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
-    seen = {"looks": 0}
-    thread = threading.main_thread().name if when == "at the submission's check" else "roundpipe-optimizer"
-
-    def tracing_a_while() -> bool:  # a trace seen by the first 20 looks from that thread, then over
-        if threading.current_thread().name != thread:
-            return False
-        seen["looks"] += 1
-        if when == "between the looks":  # begun after the wait's look, seen by the look before the call
-            return seen["looks"] in (2, 5, 8)
-        return seen["looks"] <= 20
-
-    monkeypatch.setattr(OnePass, "_checked", set())
-    if when == "during the call":  # the trace begins between the look and the call: dynamo's refusal, 3 times
-        real = OnePass._kernel
-
-        def refusing(*args):
-            if threading.current_thread().name == thread and seen["looks"] < 3:
-                seen["looks"] += 1
-                raise RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
-            return real(*args)
-
-        monkeypatch.setattr(OnePass, "_kernel", refusing)
-    else:
-        monkeypatch.setattr(one_pass, "traced_elsewhere", tracing_a_while)
-    eager, calls = counted_eager(monkeypatch), counted(monkeypatch)
-    got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
-    assert seen["looks"] >= 3 and calls[0] == 4 * 4 and eager[0] == 0
-    assert torch.equal(got, calm)
-
-
-@pytest.mark.timeout(120)
-def test_a_trace_longer_than_the_limit_runs_the_update_eagerly_with_a_warning(monkeypatch):
+def test_the_kernel_runs_while_another_thread_traces_and_under_other_settings_and_compiles_nothing(monkeypatch):
+    """A function compiled by ``torch.compile`` refuses to run while any thread traces with FX (seen on an H100: a
+    worker compiling a new plan's blocks beside an update), and compiles again under settings its guards read
+    (matmul precision): the kernel's first two forms had to wait, or run eagerly. The C++ kernel does neither: the
+    bits equal a calm run's and nothing compiles."""
     model, data = mlp(), batches(3)
-    OnePass.compile({torch.float32})
-    monkeypatch.setattr(one_pass, "WAIT_LIMIT_S", 0.05)
-    monkeypatch.setattr(OnePass, "_waited_out", False)
-    monkeypatch.setattr(one_pass, "traced_elsewhere", lambda: threading.current_thread().name == "roundpipe-optimizer")
-    eager = counted_eager(monkeypatch)
-    with pytest.warns(UserWarning, match="ran in eager torch meanwhile"):
+    calm, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
+    started, calls = compilations(), counted(monkeypatch)
+    precision = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)
+    torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
+    try:
         got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
-    assert eager[0] == 3 * 8  # every parameter of every update (a weight and a bias a Linear)
-    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert compilations() == started and calls[0] == 3 * 4
+    assert torch.equal(got, calm)
 
 
 @pytest.mark.timeout(60)
@@ -287,26 +225,6 @@ def test_a_failure_in_the_next_batch_lets_the_one_pass_update_finish_with_the_bi
     assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), want)
 
 
-@pytest.mark.timeout(120)
-def test_a_setting_changed_after_the_compile_runs_the_update_eagerly_and_compiles_nothing(monkeypatch):
-    """The kernel's guards read settings of the process (matmul precision, default dtype) and of the calling thread
-    (its thread count): under others a call would compile again, and a compile off the main thread sets the FX flag
-    that makes the workers' compiled blocks refuse to run. Such a call runs the same arithmetic eagerly instead."""
-    model, data = mlp(), batches(3)
-    OnePass.compile({torch.float32})
-    started = compilations()
-    precision = torch.get_float32_matmul_precision()
-    eager, calls = counted_eager(monkeypatch), counted(monkeypatch)
-    torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
-    try:
-        got, _ = run_async(copy.deepcopy(model), data, double_buffer=True)
-    finally:
-        torch.set_float32_matmul_precision(precision)
-    assert compilations() == started
-    assert calls[0] == 3 * 4 and eager[0] >= 3 * 8  # every parameter of every update (and the submission's check)
-    assert relative_error(got, staleness_one_reference(model, data)) <= 1e-5
-
-
 class _SgdPipeline(BoringPipeline):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -329,55 +247,14 @@ def test_the_strategy_compiles_the_kernel_only_for_an_optimizer_that_can_take_it
     assert bool(asked) == compiles
 
 
-_GENERATED_CODE = """
-import torch
-from unittest import mock
-from torch._inductor.graph import GraphLowering
-from lightning_roundpipe.runtime import one_pass
-from lightning_roundpipe.runtime.one_pass import OnePass
-
-torch.set_num_threads(2)  # (Inductor reads the count when it generates the code)
-serial = torch.compile(one_pass._adamw_and_cast, fullgraph=True, dynamic=True)  # the first form: 67 elements
-scalars = one_pass._scalars(1e-3, 0.0, 0.9, 0.999, 1.0, 1e-8)
-with torch.no_grad():
-    serial(*[torch.zeros(67) for _ in range(4)], torch.empty(67, dtype=torch.bfloat16), *scalars)
-torch._dynamo.reset()  # (Inductor's cache, on disk, keeps the serial kernel)
-codes = []
-with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-    OnePass.compile({torch.bfloat16})
-assert OnePass._failed is None and codes, OnePass._failed
-print("PARALLEL" if all("#pragma omp parallel" in code for code in codes) else "SERIAL")
-"""
-
-
-@pytest.mark.timeout(240)
-def test_the_compiled_kernel_splits_its_loop_over_the_threads(tmp_path):
-    """Inductor decides at compile time whether a loop runs on several threads, from the example's length (the
-    dynamic size's hint): a kernel compiled on 67 elements ran every group on one thread, 2.8 s a step on an H100's
-    host against torch's fused AdamW's 0.58 (2026-12-07). Its cache keys on no length, so a serial kernel compiled
-    before must not be served again. In a fresh process, with a cache of its own."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _GENERATED_CODE], capture_output=True, text=True, env=env, timeout=230)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "PARALLEL"
-
-
 @pytest.mark.timeout(120)
-def test_the_native_kernel_lets_go_of_the_gil_and_casts_into_each_dtype_as_torch(monkeypatch):
-    """``OnePass.native``: the C++ kernel runs through ``ctypes``, which releases the GIL, so another thread runs
-    Python during a call (Inductor's kernels keep the GIL: the workers could launch nothing while the host step ran).
+def test_the_kernel_lets_go_of_the_gil_and_casts_into_each_dtype_as_torch():
+    """The C++ kernel runs through ``ctypes``, which releases the GIL, so another thread runs Python during a call
+    (Inductor's kernels, the earlier form, keep the GIL: the workers could launch nothing while the host step ran).
     Its updates equal torch's fused AdamW's, from either end of torch's lerp, cast into bf16, fp16 or fp32."""
-    use_native(monkeypatch, True)
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     OnePass.compile(set(dtypes))
-    assert OnePass._failed is None and OnePass._compiled == set(dtypes)
+    assert OnePass._failed is None and OnePass._kernel is not None
     for dtype in dtypes:
         for beta1 in (0.9, 0.3):  # lerp's weight 1 - beta1 under and over one half
             assert one_pass._check(OnePass._kernel, beta1, 0.99, 1e-8, 0.01, dtype) <= 1e-4
@@ -398,7 +275,7 @@ def test_the_native_kernel_lets_go_of_the_gil_and_casts_into_each_dtype_as_torch
             time.sleep(0.001)
         for _ in range(4):  # (Inductor's kernel: 1 call of 5 at most, where the call's Python part reached the middle)
             start = time.perf_counter()
-            one_pass.run_compiled(OnePass._kernel, *tensors, *scalars)  # (as the optimizer thread calls it)
+            OnePass._kernel(*tensors, *scalars)
             end = time.perf_counter()
             quarter = (end - start) / 4
             first = bisect.bisect_right(seen, start + quarter)

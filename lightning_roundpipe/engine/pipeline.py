@@ -73,7 +73,7 @@ class PipelineEngine:
             ``"first"`` slot's, or ``"none"``/``False`` (:class:`~lightning_roundpipe.engine.steps.StepChain`).
         optimizer_on: ``"host"``, ``"device"`` (the trainable groups' states and updates on the one worker device:
             :mod:`~lightning_roundpipe.runtime.resident`), ``"auto"`` (there where they fit) or a share in (0, 1).
-        one_pass: with ``double_buffer="all"``, compile AdamW's one-pass kernel when built
+        one_pass: with ``double_buffer="all"``, build AdamW's one-pass kernel now
             (:mod:`~lightning_roundpipe.runtime.one_pass`); ``False`` where the optimizer cannot take it.
     """
 

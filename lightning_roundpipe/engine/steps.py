@@ -46,7 +46,7 @@ class StepChain:
         double_buffer: one of :data:`DOUBLE_BUFFERS`: spare compute copies of every trainable group, of
             the plan's first slot's (grown at a step's start when the plan changes), or none.
         held: groups whose states the device holds (their two copies there are what double buffering gives).
-        one_pass: with ``"all"``, compile the one-pass kernel (:mod:`~lightning_roundpipe.runtime.one_pass`) now.
+        one_pass: with ``"all"``, build the one-pass kernel (:mod:`~lightning_roundpipe.runtime.one_pass`) now.
     """
 
     def __init__(

@@ -80,7 +80,6 @@ class OptimizerWorker:
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
-        self.eager_one_pass = 0  # parameters whose one-pass update ran eagerly: another thread was tracing
         self.resident: ResidentStates | None = None
         """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
@@ -320,7 +319,7 @@ class OptimizerWorker:
             scratch = torch.empty_like(out)  # the masters take the bits of a run without the failure
             if not (planned := one_pass_items(group, shadow, self._grad(g), scratch)):
                 return False
-        self.eager_one_pass += step_and_cast(*planned, shadow.optimizer)
+        step_and_cast(*planned, shadow.optimizer)
         if released:  # (its gate, set here, keeps it out of the casts after the math; aborted, none is cast)
             self._cast(job, g, True)
         return True
