@@ -32,7 +32,7 @@
 #        (32 a step: packed, and flattened rows cut by roundpipe)
 #        varlen-plain-packed (plain Lightning on packed rows) varlen-packed-8-24gib varlen-8-packed
 #        varlen-24gib-gc (issue 39: the allocator's garbage collection against the reserve's creep at 24 GiB)
-#        host-compiled (issue 39: the host step in one compiled pass) onepass-24gib (that pass through Trainer)
+#        host-compiled (issue 39: the host step in one pass) onepass-24gib (that pass through Trainer)
 #        auto-db-24gib (double_buffer="auto" against the defaults) memory-24gib memory-24gib-fixed (issue 39: the
 #        24 GiB reserve held to the plan's limit: the cache given back after a batch above it, or the allocator capped)
 #        varlen-8-ceiling (issue 39: 8 a step with SGD's lighter host step beside AdamW's)

@@ -427,7 +427,8 @@ def main() -> None:
         print(f"{name}: best {seconds[name]:.3f} s, {time.perf_counter() - start:.0f} s with warm-up", file=sys.stderr)
     for name, kernel in (("compiled", inductor), ("native", OnePass._kernel)):
         if name in seconds:  # the largest difference from torch's fused kernel on one group, relative to the update
-            seconds[f"{name}-error"] = one_pass._check(kernel, 0.9, 0.999, 1e-8, 0.01, torch.bfloat16, sizes[-1])
+            with torch.no_grad():  # (as compiled: under grad mode Inductor's would compile again)
+                seconds[f"{name}-error"] = one_pass._check(kernel, 0.9, 0.999, 1e-8, 0.01, torch.bfloat16, sizes[-1])
     shares = {name: python_share(runs[name]) for name in ("math-then-cast", "compiled", "native") if name in runs}
     for name, share in shares.items():
         print(f"{name}: a Python thread beside it ran at {share:.0%} of its pace alone", file=sys.stderr)

@@ -140,7 +140,7 @@ def test_double_buffered_resume_at_an_odd_step_equals_uninterrupted_and_either_b
     tmp_path, monkeypatch, buffering
 ):
     """9 batches per epoch: the save falls on an odd step, whose batches read the spare copies. With every group
-    double-buffered, AdamW's math and the cast run in one pass (runtime/one_pass.py), rounded as Inductor's kernel
+    double-buffered, AdamW's math and the cast run in one pass (runtime/one_pass.py), rounded as the C++ kernel
     rounds: the same numbers as without spares to rounding, and bit for bit with that kernel off."""
 
     def run(directory, epochs, ckpt=None, double_buffer=buffering):

@@ -50,7 +50,7 @@ def test_the_kernel_equals_torchs_adamw_and_writes_the_cast(cls):
     counts equal torch's (its default and its fused kernel) to float32 rounding; ``out`` is the new weights in
     bf16."""
     torch.manual_seed(0)
-    shapes = [(33, 7), (129,), (5, 3)]
+    shapes = [(33, 7), (129,), (5, 3), (1,)]
     weights = [torch.randn(s) for s in shapes]
     settings = [dict(weight_decay=0.1 if cls is torch.optim.AdamW else 0.0, betas=(0.8, 0.99)), dict(eps=1e-6)]
 
@@ -284,3 +284,33 @@ def test_the_kernel_lets_go_of_the_gil_and_casts_into_each_dtype_as_torch():
         stop.set()
         thread.join()
     assert sum(ran) >= 3, ran  # the other thread ran in the middle half of the calls
+
+
+def test_the_kernel_refuses_tensors_it_would_misread_before_counting_the_step():
+    """The kernel writes through raw pointers: a tensor of another length, layout, dtype or a lazy view is refused
+    with an error, the optimizer's step count untouched; the library runs its loop in OpenMP's parallel regions
+    (built without them it would run on one thread, as Inductor's first form did)."""
+    from pathlib import Path
+
+    OnePass.compile({torch.bfloat16})
+    kernel = OnePass._kernel
+    assert kernel is not None, OnePass._failed
+    library = Path(kernel.path).read_bytes()
+    assert b"GOMP_parallel" in library or b"__kmpc_fork_call" in library
+    p = torch.nn.Parameter(torch.zeros(8))
+    optimizer = torch.optim.AdamW([p])
+    group = optimizer.param_groups[0]
+    good = [torch.zeros(8), torch.empty(8, dtype=torch.bfloat16)]
+    for grad, out in [
+        (torch.zeros(9), good[1]),  # another length
+        (torch.zeros(16)[::2], good[1]),  # strided
+        (torch.zeros(8, dtype=torch.float64), good[1]),
+        (torch.zeros(8)._neg_view(), good[1]),  # a lazy negation
+        (torch.zeros(8, requires_grad=True), good[1]),
+        (good[0], torch.empty(8, dtype=torch.float64)),  # a copy it does not cast into
+    ]:
+        with pytest.raises(ValueError, match="one-pass kernel takes"):
+            step_and_cast(kernel, [(p, group, grad, out)], optimizer)
+        assert float(optimizer.state[p]["step"]) == 0
+    step_and_cast(kernel, [(p, group, *good)], optimizer)
+    assert float(optimizer.state[p]["step"]) == 1

@@ -29,6 +29,7 @@ took 0.077 s, Inductor's 0.102 and torch's fused AdamW then the cast 0.129.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 import warnings
@@ -65,8 +66,8 @@ static void adamw_cast(float* p, const float* g, float* m, float* v, T* out, int
     int64_t i = c;
     for (; i + V <= end; i += V) {
       Vec gv = Vec::loadu(g + i), mv = Vec::loadu(m + i);
-      mv = (low ? mv : gv) + Vec(lw) * (gv - mv);
-      Vec vv = Vec::loadu(v + i) * Vec(beta2) + gv * gv * Vec(sq);
+      mv = at::vec::fmadd(Vec(lw), gv - mv, low ? mv : gv);  // (torch's fused kernel fuses these two)
+      Vec vv = at::vec::fmadd(Vec(sq) * gv, gv, Vec::loadu(v + i) * Vec(beta2));
       Vec pv = Vec::loadu(p + i) * Vec(decay) - Vec(step) * mv / (vv.sqrt() / Vec(bias2) + Vec(eps));
       pv.store(p + i);
       mv.store(m + i);
@@ -75,7 +76,8 @@ static void adamw_cast(float* p, const float* g, float* m, float* v, T* out, int
       else at::vec::convert<T>(pv).store(out + i, V);
     }
     for (; i < end; ++i) {
-      const float gi = g[i], mi = (low ? m[i] : gi) + lw * (gi - m[i]), vi = v[i] * beta2 + gi * gi * sq;
+      const float gi = g[i], mi = std::fma(lw, gi - m[i], low ? m[i] : gi);
+      const float vi = std::fma(sq * gi, gi, v[i] * beta2);
       const float pi = p[i] * decay - step * mi / (std::sqrt(vi) / bias2 + eps);
       p[i] = pi, m[i] = mi, v[i] = vi, out[i] = static_cast<T>(pi);
     }
@@ -88,8 +90,10 @@ ROUNDPIPE_ADAMW(roundpipe_adamw_bf16, c10::BFloat16)
 ROUNDPIPE_ADAMW(roundpipe_adamw_f16, c10::Half)
 ROUNDPIPE_ADAMW(roundpipe_adamw_f32, float)
 """
-"""The kernel: torch's fused AdamW in its order (decay, moments, then the step; the moment's lerp from its nearer end,
-as torch's), the new master cast into the compute copy, for each of :data:`DTYPES`."""
+"""The kernel: torch's fused AdamW in its order (decay, moments, then the step; the moment's lerp from its nearer end
+and the moments' multiply-adds fused, as torch's), the new master cast into the compute copy, for each of
+:data:`DTYPES`. On the CPU machine its weights and first moments equal torch's bit for bit over five steps; a few
+second moments of the scalar tail differ in the last bit."""
 
 
 def _build() -> Any:
@@ -111,10 +115,14 @@ def _build() -> Any:
         n = p.numel()
         if any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
             raise ValueError("the one-pass kernel takes contiguous CPU tensors of one length")
+        if any(t.requires_grad or t.is_neg() or t.is_conj() for t in tensors):  # (written behind autograd's back)
+            raise ValueError("the one-pass kernel takes plain tensors: no autograd, no negative or conjugate views")
         if any(t.dtype != torch.float32 for t in tensors[:4]) or out.dtype not in functions:
-            raise ValueError(f"the one-pass kernel takes fp32 masters and states, not {out.dtype} copies")
+            dtypes = ", ".join(str(t.dtype) for t in tensors)
+            raise ValueError(f"the one-pass kernel takes fp32 masters, gradients and states, not {dtypes}")
         functions[out.dtype](*(t.data_ptr() for t in tensors), n, *scalars)
 
+    kernel.path = library._name  # type: ignore[attr-defined]  # (the built library, for a test to read)
     return kernel
 
 
@@ -209,15 +217,14 @@ def one_pass_items(
 ) -> tuple[Any, list[tuple[Tensor, dict[str, Any], Tensor, Tensor]]] | None:
     """The kernel and :func:`step_and_cast`'s items for one flat group (``FlatGroup``, its gradient and the copy to
     cast into) under the optimizer's ``shadow``; ``None`` where the group has no spare or fp32 masters, or one of
-    its parameters is not the optimizer's, has settings not the kernel's, states not laid out flat, or is too small
-    (sizes 0 and 1 specialise a dynamic kernel: a compile in the optimizer thread)."""
+    its parameters is not the optimizer's, has settings not the kernel's or states not laid out flat."""
     if group.spare is None or group.data.dtype != torch.float32:
         return None
     items = []
     for p, offset in group.params:
         sp = shadow.shadows_of.get(id(p))
         settings = None if sp is None else shadow.group_of(sp)
-        if settings is None or not OnePass.settles(settings, shadow.optimizer) or p.numel() < 2:
+        if settings is None or not OnePass.settles(settings, shadow.optimizer):
             return None
         state = shadow.optimizer.state[sp]
         if any(not t.is_contiguous() or t.dtype != torch.float32 for k, t in state.items() if k != "step"):
@@ -241,19 +248,18 @@ def step_and_cast(
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        step = float(state["step"] + 1)  # (counted once the kernel took the arguments)
         beta1, beta2 = (float(b) for b in group["betas"])
-        scalars = _scalars(
-            float(group["lr"]), float(group["weight_decay"]), beta1, beta2, float(state["step"]), float(group["eps"])
-        )
+        scalars = _scalars(float(group["lr"]), float(group["weight_decay"]), beta1, beta2, step, float(group["eps"]))
         avg, avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         kernel(p.detach().view(-1), grad.view(-1), avg, avg_sq, out, *scalars)
+        state["step"] += 1
 
 
 def _scalars(lr: float, weight_decay: float, beta1: float, beta2: float, step: float, eps: float) -> list[float]:
     """The kernel's scalar arguments, worked out in double precision as torch's fused kernel does (the moment's
     lerp weight passed as float32, as torch's lerp takes it)."""
-    return [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, eps]
+    return [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps]
 
 
 def _check(
