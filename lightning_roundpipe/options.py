@@ -93,10 +93,11 @@ class RoundPipeOptions:
     first stage; ``"auto"``: ``"all"`` where spares for every trainable weight would fit the host beside the rest
     (groups whose states the GPU holds get none all the same), else none, with a log line; decided when the engine
     is first built and kept through its rebuilds; ``False``. With ``"all"``, ``torch.optim.Adam``/``AdamW``'s host
-    math and cast run in one compiled pass over fp32 masters on one node, not under ``compile=False``
-    (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default: through ``Trainer`` it ran at a
-    quarter of the defaults' speed on an H100 at 24 GiB (the kernel ran on one thread: fixed in code, not yet measured;
-    it also holds the GIL while it runs), to be measured again (``benchmarks/gpu_checks.sh auto-db-24gib``)."""
+    math and cast run in one pass over fp32 masters on one node (a C++ kernel built when the engine is), not under
+    ``compile=False`` (:mod:`~lightning_roundpipe.runtime.one_pass`). ``"auto"`` is not the default: through
+    ``Trainer`` it ran at a quarter of the defaults' speed on an H100 at 24 GiB with the kernel's first form (one
+    thread, and the GIL held); its C++ form is not yet measured on a GPU (``benchmarks/gpu_checks.sh
+    auto-db-24gib``)."""
     host_memory_check: bool = True
     """Before building the engine, estimate the host memory the run needs (model states with AdamW-sized
     optimizer states, :func:`~lightning_roundpipe.estimate_host_memory`) and refuse with the table if it
