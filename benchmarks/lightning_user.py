@@ -941,6 +941,7 @@ class _Remember(L.Callback):
                 "off_because": OnePass._failed,
                 "checked": len(OnePass._checked),
                 "compile_s": OnePass.compile_s,  # at the engine's build (a cold cache compiles the C++)
+                "groups_updated": getattr(engine.crew.optimizer, "one_pass_groups", None),  # by the kernel
             },
             "double_buffer": engine.steps.double_buffer,  # "auto" as the engine took it
             "spares": sum(g.spare is not None for g in engine.store.groups),

@@ -407,5 +407,6 @@ def test_lightning_user_trains_on_variable_lengths_padded_per_batch_and_packed(b
     # double_buffer="auto" (auto-db-24gib's candidate default): spares on this host, the one pass on, same losses
     auto = next(r for r in results if r["config"] == "newcomer-dbauto")
     assert (auto["double_buffer"], auto["one_pass"]["off_because"]) == ("all", None) and auto["spares"] > 0
-    assert auto["one_pass"]["checked"] > 0 and auto["losses"] == pytest.approx(losses["newcomer"], rel=1e-5)
+    assert auto["one_pass"]["groups_updated"] > 0 and auto["losses"] == pytest.approx(losses["newcomer"], rel=1e-5)
+    assert next(r for r in results if r["config"] == "newcomer")["one_pass"]["groups_updated"] == 0
     assert next(r for r in results if r["config"] == "newcomer")["spares"] == 0

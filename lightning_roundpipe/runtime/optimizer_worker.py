@@ -80,6 +80,7 @@ class OptimizerWorker:
         self.last_update: tuple[int, float] | None = None
         """The last update's step and the host seconds its math took (clipping and the optimizer's steps; not
         the waits for gradients, nor the casts): what the devices' step must be longer than for it to hide."""
+        self.one_pass_groups = 0  # group updates the one-pass kernel made (a benchmark's evidence that it ran)
         self.resident: ResidentStates | None = None
         """``optimizer_on="device"``: the states the updates run on (none of this thread's host math or casts)."""
         self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
@@ -320,6 +321,7 @@ class OptimizerWorker:
             if not (planned := one_pass_items(group, shadow, self._grad(g), scratch)):
                 return False
         step_and_cast(*planned, shadow.optimizer)
+        self.one_pass_groups += 1
         if released:  # (its gate, set here, keeps it out of the casts after the math; aborted, none is cast)
             self._cast(job, g, True)
         return True
