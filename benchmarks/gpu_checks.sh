@@ -268,7 +268,8 @@ for step in "${steps[@]}"; do
         --out "$OUT/onepass-24gib.json" ;;
     auto-db-24gib)  # issue 39 at 24 GiB, 8 a step: double_buffer="auto" (spares where the host holds them, so AdamW's
       # math and cast run in one pass; a candidate default) against the defaults (no spares: 23,295 real tokens/s on
-      # the H200 on 2026-12-07; 22,041 on an H100). newcomer-dbauto: double_buffer "all", one_pass.off_because null.
+      # the H200 on 2026-12-07; 22,041 on an H100). newcomer-dbauto: double_buffer "all", one_pass.off_because null,
+      # one_pass.groups_updated above 0 (30 groups an update).
       # First run 2026-12-07 (32nd), on an H100, with Inductor's kernel compiled serially: 5,410 real tokens/s (its
       # host math 2.8 s a step) against the defaults' 22,041. Since 2026-12-08 the kernel is C++ through ctypes, which
       # lets go of the GIL (Inductor's held it: the workers launched nothing while it ran). Expected: newcomer-dbauto
